@@ -1,0 +1,37 @@
+import faulthandler
+import time
+
+import pytest
+
+TEST_TIMEOUT = 300  # seconds per test; a hung collective ends the process, and so the job
+
+
+def pytest_collection_modifyitems(config, items):
+    """End-to-end launches go last and run on rank 0 alone.
+
+    Ranks waiting in a collective spin on the CPU. If rank 0 launched mpirun jobs between
+    in-process tests, the other ranks would spin beside the launched job for its whole run.
+    """
+    from harness import world
+    e2e = [item for item in items if item.get_closest_marker("e2e")]
+    items[:] = [item for item in items if not item.get_closest_marker("e2e")] + e2e
+    if world().Get_rank() != 0:
+        skip = pytest.mark.skip(reason="end-to-end launches run on rank 0")
+        for item in e2e:
+            item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True)
+
+
+def pytest_runtest_teardown(item):
+    faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Ranks done early wait here without spinning while rank 0 runs the launches."""
+    from harness import world
+    request = world().Ibarrier()
+    while not request.Test():
+        time.sleep(0.05)

@@ -1,0 +1,79 @@
+"""What every strategy's tests share: sub-communicators, collective asserts, clean launches.
+
+In-process tests run under `mpirun -np 4 python -m pytest --with-mpi` and are marked
+`@pytest.mark.mpi`; they take a sub-communicator of the size they test. End-to-end tests are
+marked `@pytest.mark.e2e`: they launch a script with mpirun as a user would, from rank 0 only,
+after every in-process test (see conftest.py), with the MPI environment removed and a timeout.
+"""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = [1, 2, 3, 4]  # the world sizes in-process tests cover, on sub-communicators
+LAUNCH_TIMEOUT = 180  # seconds; no launch may hang the suite
+MPI_ENV_PREFIXES = ("PMI_", "HYDRA_", "OMPI_", "PMIX_", "PRTE_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+
+
+def world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+@contextlib.contextmanager
+def sub_comm(size):
+    """The first `size` ranks of COMM_WORLD as a communicator; None on the others.
+
+    Every rank of COMM_WORLD must enter (Split is collective); the ones outside get None.
+    """
+    from mpi4py import MPI
+    comm = world()
+    if comm.Get_size() < size:
+        import pytest
+        pytest.skip(f"needs {size} ranks, run under mpirun -np {size} or more")
+    sub = comm.Split(0 if comm.Get_rank() < size else MPI.UNDEFINED, comm.Get_rank())
+    try:
+        yield None if sub == MPI.COMM_NULL else sub
+    finally:
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+
+
+def agree(ok, comm=None):
+    """True on every rank if ok is true on every rank: assert on this, never on a local fact
+    alone, or one failing rank leaves the others waiting in the next collective."""
+    from mpi4py import MPI
+    return (comm or world()).allreduce(bool(ok), op=MPI.LAND)
+
+
+def max_everywhere(value, comm=None):
+    from mpi4py import MPI
+    return (comm or world()).allreduce(float(value), op=MPI.MAX)
+
+
+def clean_env(**extra):
+    """This environment without the variables of the MPI job pytest may be running in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def launch(script, np, *args, timeout=LAUNCH_TIMEOUT, env=None, cwd=ROOT):
+    """mpirun -np NP python SCRIPT ARGS, as a user would run it; returns CompletedProcess."""
+    cmd = ["mpirun", "-np", str(np), sys.executable, str(ROOT / script), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=env or clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def last_json(result):
+    """The JSON object on the last line of stdout (the --json contract)."""
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def error_lines(result):
+    """The lines of stderr that the scripts print for a rejected input."""
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
