@@ -1,4 +1,4 @@
-"""Data parallelism over MPI: every rank holds the whole model and a slice of each batch.
+r"""Data parallelism over MPI: every rank holds the whole model and a slice of each batch.
 
 What is split: the data. Each optimizer step takes one global batch of B samples (--batch-size,
 the same at every world size) and gives each of the N ranks B/N of them. Every rank holds a full
@@ -490,6 +490,58 @@ def train_step(model, optimizer, buckets, images, labels, accum_steps, timeline)
     return total
 
 
+def replicate(args, comm, device, exchange):
+    """The model from the seed, rank 0's copy broadcast to all and proven identical."""
+    model = build_model(args.seed, device, exchange if args.sync_bn else None)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            exchange.bcast(t.data)
+    sums = comm.allgather(checksum(model))
+    if len(set(sums)) != 1:
+        raise RuntimeError(f"model differs across ranks after broadcast: checksums {sums}")
+    exchange.calls.clear(), exchange.bytes.clear()  # count the training steps only
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    buckets = GradBuckets(model.parameters(), exchange, args.bucket_mb * 2**20, not args.no_overlap)
+    return model, optimizer, buckets
+
+
+def train(args, comm, device, exchange, model, optimizer, buckets, log=False):
+    """args.steps data-parallel steps; returns this rank's losses and per-step timings."""
+    rank, world_size, timeline = comm.Get_rank(), comm.Get_size(), exchange.timeline
+    losses, records = [], []
+    for step in range(args.steps):
+        inject_failure(comm, step)
+        start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args, step)
+        images, labels = make_batch(args.seed, step, args.batch_size)
+        images, labels = slice_of(images.to(device), labels.to(device), rank, world_size)
+        losses.append(train_step(model, optimizer, buckets, images, labels, args.accum_steps, timeline))
+        sync(device)
+        record = {"step_s": time.perf_counter() - start, **{f"{k}_s": v for k, v in timeline.take().items()}}
+        record["idle_s"] = max(0.0, record["step_s"] - record.get("compute_s", 0) - record.get("comm_s", 0))
+        records.append(record)
+        if log and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
+            say(comm, f"step {step + 1}/{args.steps} | loss {mean_loss:.4f} | "
+                      f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
+                      f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+    return losses, records
+
+
+def finish(args, comm, exchange, model, losses):
+    """One model and one loss curve: every rank's loss is that of its slice, the step's is their
+    mean; per-rank BatchNorm statistics are averaged. Returns the losses of the global batch."""
+    world_size = comm.Get_size()
+    losses = (exchange.allreduce(torch.tensor(losses, dtype=torch.float64), "report")
+              / world_size).tolist()
+    if not args.sync_bn:
+        average_buffers(model, exchange)
+    if len(set(comm.allgather(checksum(model)))) != 1:
+        raise RuntimeError("model replicas diverged")
+    return losses
+
+
 def average_buffers(model, exchange):
     """Per-rank BatchNorm keeps per-rank running statistics: average them into one model."""
     for name, b in model.named_buffers():
@@ -521,8 +573,10 @@ def reference_training(args, world_size, device):
     """The same steps in one plain process: no MPI, plain nn.BatchNorm.
 
     --sync-bn: each accumulation micro-step is one batch made of every rank's slice.
-    Otherwise: every rank's micro-batch one after another with its own statistics, the loss of
-    each scaled by 1/(N*K), and the BatchNorm running statistics averaged over the slices.
+    Otherwise: every rank's micro-batches one after another, each with its own statistics and
+    its loss scaled by 1/(N*K); each rank's running statistics start from the same values and
+    are averaged over the ranks (they are linear in the batch statistics, so averaging once at
+    the end, as the ranks do, gives the same).
     """
     model = build_model(args.seed, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -545,16 +599,18 @@ def reference_training(args, world_size, device):
         else:
             start = [b.clone() for b in model.buffers()]
             after = [torch.zeros_like(b, dtype=torch.float64) for b in start]
-            for x, y in (s for per_rank in slices for s in per_rank):
+            for r in range(world_size):  # rank r's micro-steps, from the shared running statistics
                 for b, b0 in zip(model.buffers(), start):
                     b.copy_(b0)
-                loss = F.cross_entropy(model(x), y) / (world_size * k_steps)
-                loss.backward()
-                total += loss.item()
+                for k in range(k_steps):
+                    x, y = slices[k][r]
+                    loss = F.cross_entropy(model(x), y) / (world_size * k_steps)
+                    loss.backward()
+                    total += loss.item()
                 for acc, b in zip(after, model.buffers()):
                     acc += b
             for b, acc in zip(model.buffers(), after):
-                b.copy_(acc / (world_size * k_steps) if b.is_floating_point() else b)
+                b.copy_(acc / world_size if b.is_floating_point() else b)
         optimizer.step()
         losses.append(total)
     return losses, model
@@ -614,21 +670,14 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    comm.Barrier()
+    t0 = time.perf_counter()  # the trace's zero, about the same moment on every rank
     device = setup_device(comm, args.device)
     cuda_aware = device.type == "cuda" and mpi_cuda_aware(comm)
     timeline = Timeline(device)
     exchange = Exchange(comm, timeline, cuda_aware)
 
-    model = build_model(args.seed, device, exchange if args.sync_bn else None)
-    for t in list(model.parameters()) + list(model.buffers()):
-        with torch.no_grad():
-            exchange.bcast(t.data)  # rank 0's copy everywhere, then prove it
-    sums = comm.allgather(checksum(model))
-    if len(set(sums)) != 1:
-        raise RuntimeError(f"model differs across ranks after broadcast: checksums {sums}")
-    exchange.calls.clear(), exchange.bytes.clear()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    buckets = GradBuckets(model.parameters(), exchange, args.bucket_mb * 2**20, not args.no_overlap)
+    model, optimizer, buckets = replicate(args, comm, device, exchange)
     params = sum(p.numel() for p in model.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     transport = "n/a (CPU)" if device.type == "cpu" else (
@@ -641,36 +690,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         f"{args.batch_size // (world_size * args.accum_steps)} | BatchNorm: "
         f"{'synchronized over ranks' if args.sync_bn else 'per rank'}")
 
-    comm.Barrier()
-    t0 = time.perf_counter()
-    losses, records = [], []
-    for step in range(args.steps):
-        inject_failure(comm, step)
-        start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(args, step)
-        images, labels = make_batch(args.seed, step, args.batch_size)
-        images, labels = slice_of(images.to(device), labels.to(device), rank, world_size)
-        losses.append(train_step(model, optimizer, buckets, images, labels, args.accum_steps, timeline))
-        sync(device)
-        record = {"step_s": time.perf_counter() - start, **{f"{k}_s": v for k, v in timeline.take().items()}}
-        record["idle_s"] = max(0.0, record["step_s"] - record.get("compute_s", 0) - record.get("comm_s", 0))
-        records.append(record)
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
-            say(comm, f"step {step + 1}/{args.steps} | loss {mean_loss:.4f} | "
-                      f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
-                      f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+    losses, records = train(args, comm, device, exchange, model, optimizer, buckets, log=True)
     calls = {k: v / args.steps for k, v in exchange.calls.items()}
     volume = {k: v / args.steps for k, v in exchange.bytes.items()}
-
-    # Every rank's loss is that of its slice; the step's loss is their mean.
-    losses = (exchange.allreduce(torch.tensor(losses, dtype=torch.float64), "report")
-              / world_size).tolist()
-    if not args.sync_bn:
-        average_buffers(model, exchange)
-    if len(set(comm.allgather(checksum(model)))) != 1:
-        raise RuntimeError("model replicas diverged")
+    losses = finish(args, comm, exchange, model, losses)
     acc = accuracy(model, args.seed, device)
     diff = None
     if args.check:

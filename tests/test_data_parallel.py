@@ -1,0 +1,237 @@
+"""data_parallel.py: its pieces on sub-communicators of sizes 1 to 4, then the script as launched."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import data_parallel as dp
+from harness import SIZES, agree, clean_env, error_lines, last_json, launch, max_everywhere, sub_comm
+
+CPU = torch.device("cpu")
+
+
+def exchange_on(comm):
+    return dp.Exchange(comm, dp.Timeline(CPU), cuda_aware=False)
+
+
+def run_steps(comm, argv):
+    """Train on comm as the script does; returns the global losses and the final model."""
+    args = dp.parse_args(argv, comm.Get_size())
+    exchange = exchange_on(comm)
+    model, optimizer, buckets = dp.replicate(args, comm, CPU, exchange)
+    losses, _ = dp.train(args, comm, CPU, exchange, model, optimizer, buckets)
+    return dp.finish(args, comm, exchange, model, losses), model, exchange
+
+
+def largest_difference(losses, model, ref_losses, ref_model):
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    ref_state = ref_model.state_dict()
+    for name, t in model.state_dict().items():
+        diff = max(diff, (t.double() - ref_state[name].double()).abs().max().item())
+    return diff
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bucketed_allreduce_equals_the_mean_of_every_rank_gradients(size, overlap):
+    with sub_comm(size) as comm:
+        diff, buckets_made = 0.0, 0
+        if comm is not None:
+            torch.manual_seed(0)
+            params = [nn.Parameter(torch.zeros(n)) for n in (300, 7, 1000, 50, 2)]
+            every_rank = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * r + i))
+                           for i, p in enumerate(params)] for r in range(size)]
+            expected = [sum(g[i] for g in every_rank) / size for i in range(len(params))]
+            buckets = dp.GradBuckets(params, exchange_on(comm), bucket_bytes=1200, overlap=overlap)
+            buckets_made = len(buckets.buckets)
+
+            def backward():  # stands in for autograd: gradients arrive last parameter first
+                for i in reversed(range(len(params))):
+                    params[i].grad = every_rank[comm.Get_rank()][i].clone()
+                    if overlap:
+                        buckets._grad_ready(params[i])
+
+            buckets.reduce(backward)
+            diff = max((p.grad - e).abs().max().item() for p, e in zip(params, expected))
+        assert max_everywhere(diff) < 1e-6
+        # A bucket closes once it holds >= 1200 bytes (as in DDP): [2, 50, 1000] and [7, 300].
+        assert agree(comm is None or buckets_made == 2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("shape", [(6, 5), (4, 3, 5, 5)])
+def test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch(size, shape):
+    with sub_comm(size) as comm:
+        diff = 0.0
+        if comm is not None:
+            g = torch.Generator().manual_seed(1)
+            full = torch.randn((shape[0] * size,) + shape[1:], generator=g) * 3 + 1
+            upstream = torch.randn(full.shape, generator=g)
+            plain = dp.BatchNorm(shape[1])
+            synced = dp.BatchNorm(shape[1], exchange_on(comm))
+            with torch.no_grad():
+                for bn in (plain, synced):
+                    bn.weight.copy_(torch.linspace(0.5, 2, shape[1]))
+                    bn.bias.copy_(torch.linspace(-1, 1, shape[1]))
+            x_full = full.clone().requires_grad_()
+            (plain(x_full) * upstream).sum().backward()
+            mine = slice(comm.Get_rank() * shape[0], (comm.Get_rank() + 1) * shape[0])
+            x = full[mine].clone().requires_grad_()
+            # Each rank's loss is its share; the gradient average over ranks (x N) makes the sum.
+            (synced(x) * upstream[mine]).sum().backward()
+            weight_grad = exchange_on(comm).allreduce(synced.weight.grad.clone())
+            bias_grad = exchange_on(comm).allreduce(synced.bias.grad.clone())
+            diff = max((synced(x).detach() - plain(x_full).detach()[mine]).abs().max().item(),
+                       (x.grad - x_full.grad[mine]).abs().max().item(),
+                       (weight_grad - plain.weight.grad).abs().max().item(),
+                       (bias_grad - plain.bias.grad).abs().max().item(),
+                       (synced.running_mean - plain.running_mean).abs().max().item(),
+                       (synced.running_var - plain.running_var).abs().max().item())
+        assert max_everywhere(diff) < 1e-5
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("flags", [[], ["--sync-bn"], ["--accum-steps", "2", "--bucket-mb", "0.05"]])
+def test_training_steps_equal_the_single_process_reference(size, flags):
+    with sub_comm(size) as comm:
+        diff = 0.0
+        if comm is not None:
+            argv = ["--steps", "3", "--batch-size", "24"] + flags
+            losses, model, _ = run_steps(comm, argv)
+            ref_losses, ref_model = dp.reference_training(dp.parse_args(argv, size), size, CPU)
+            diff = largest_difference(losses, model, ref_losses, ref_model)
+        assert max_everywhere(diff) <= dp.TOLERANCE
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_overlap_and_no_overlap_give_the_same_parameters(size):
+    with sub_comm(size) as comm:
+        diff = 0.0
+        if comm is not None:
+            argv = ["--steps", "3", "--batch-size", "24", "--sync-bn"]
+            _, overlapped, ex = run_steps(comm, argv + ["--bucket-mb", "0.02"])
+            _, blocking, ex_blocking = run_steps(comm, argv + ["--no-overlap"])
+            diff = max((a - b).abs().max().item()
+                       for a, b in zip(overlapped.parameters(), blocking.parameters()))
+            assert ex.calls["allreduce"] > 3 * ex_blocking.calls["allreduce"]  # several buckets
+        # MPI may sum a 20 KB bucket and the whole 250 KB in different orders: rounding only.
+        assert max_everywhere(diff) < 1e-6
+
+
+@pytest.mark.mpi
+def test_accumulation_steps_equal_one_larger_step():
+    """Per-rank BatchNorm sees the same slices whether they are ranks or micro-steps:
+    4 ranks x 1, 2 ranks x 2 and 1 rank x 4 micro-steps train the same network."""
+    results = {}
+    for size, accum in ((4, 1), (2, 2), (1, 4)):
+        with sub_comm(size) as comm:
+            if comm is not None:
+                argv = ["--steps", "3", "--batch-size", "32", "--accum-steps", str(accum)]
+                results[size] = run_steps(comm, argv)
+    diff = 0.0
+    if dp.MPI.COMM_WORLD.Get_rank() == 0:
+        ref_losses, ref_model, _ = results[4]
+        for size in (2, 1):
+            losses, model, _ = results[size]
+            diff = max(diff, largest_difference(losses, model, ref_losses, ref_model))
+    assert max_everywhere(diff) <= dp.TOLERANCE
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_replicas_start_identical_and_the_exchange_is_counted(size):
+    with sub_comm(size) as comm:
+        ok = True
+        if comm is not None:
+            steps = 2
+            _, model, exchange = run_steps(comm, ["--steps", str(steps), "--batch-size", "8"])
+            grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+            # one bucket (25 MB default) per step, then the reporting allreduces in finish()
+            ok = exchange.calls["allreduce"] == steps and exchange.bytes["allreduce"] == steps * grad_bytes
+            ok = ok and len(set(comm.allgather(dp.checksum(model)))) == 1
+        assert agree(ok)
+
+
+def test_learning_rate_scaling_and_warmup():
+    args = dp.parse_args(["--lr", "0.1", "--scale-lr", "--batch-size", "128", "--base-batch", "32",
+                          "--warmup-steps", "4"], 1)
+    assert [round(dp.learning_rate(args, s), 6) for s in range(6)] == [0.1, 0.175, 0.25, 0.325, 0.4, 0.4]
+    assert dp.learning_rate(dp.parse_args(["--lr", "0.1"], 1), 0) == 0.1
+
+
+@pytest.mark.parametrize("argv, world, words", [
+    (["--batch-size", "10"], 4, "multiple of 4"),
+    (["--batch-size", "16", "--accum-steps", "3"], 2, "multiple of 6"),
+    (["--steps", "0"], 1, "--steps must be a positive integer"),
+    (["--lr", "-1"], 1, "--lr must be a positive number"),
+    (["--device", "tpu"], 1, "--device must be auto, cpu or cuda"),
+    (["--bucket-mb", "0"], 1, "--bucket-mb must be a positive number"),
+    (["--no-such-flag"], 1, "unrecognized arguments"),
+])
+def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
+    with pytest.raises(dp.ConfigError, match=words):
+        dp.parse_args(argv, world)
+
+
+# --- end to end: the script as a user launches it -------------------------------------------
+
+@pytest.mark.e2e
+def test_default_run_learns_and_passes_its_check():
+    result = launch("data_parallel.py", 4)
+    assert result.returncode == 0, result.stderr
+    assert "-> PASS" in result.stdout
+    accuracy = float(result.stdout.split("accuracy ")[1].split("%")[0])
+    assert accuracy > 80  # chance is 10%
+
+
+@pytest.mark.e2e
+def test_sync_bn_losses_agree_at_every_world_size():
+    runs = {n: last_json(launch("data_parallel.py", n, "--sync-bn", "--steps", "20", "--seed", "3",
+                                "--batch-size", "48", "--json")) for n in SIZES}
+    for n in SIZES:
+        assert runs[n]["world_size"] == n and len(runs[n]["losses"]) == 20
+        assert runs[n]["check_max_abs_diff"] <= dp.TOLERANCE
+        assert max(abs(a - b) for a, b in zip(runs[n]["losses"], runs[1]["losses"])) <= dp.TOLERANCE
+    assert runs[1]["losses"][-1] < 0.8 * runs[1]["losses"][0]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args, words", [
+    (["--batch-size", "30"], "--batch-size 30 does not split into 4 ranks"),
+    (["--steps", "-3"], "--steps must be a positive integer"),
+    (["--device", "gpu"], "--device must be auto, cpu or cuda"),
+])
+def test_bad_input_exits_2_with_one_line(args, words):
+    result = launch("data_parallel.py", 4, *args, timeout=60)
+    assert result.returncode == 2
+    assert len(error_lines(result)) == 1 and words in error_lines(result)[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.e2e
+def test_an_exception_on_one_rank_ends_the_job():
+    result = launch("data_parallel.py", 4, "--steps", "500", "--no-check", timeout=60,
+                    env=clean_env(FAIL_AT="2:3:raise"))
+    assert result.returncode != 0
+    assert "rank 2" in result.stderr and "injected failure" in result.stderr
+
+
+@pytest.mark.e2e
+def test_trace_is_chrome_trace_json_with_one_track_per_rank(tmp_path):
+    path = tmp_path / "trace.json"
+    result = launch("data_parallel.py", 3, "--steps", "3", "--no-check", "--batch-size", "24",
+                    "--bucket-mb", "0.05", "--trace", path)
+    assert result.returncode == 0, result.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2}
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"rank 0", "rank 1", "rank 2"}
+    for rank in range(3):
+        names = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"forward", "backward", "optimizer", "allreduce start", "allreduce wait"} <= names
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
