@@ -48,9 +48,11 @@ Run:  mpirun -np 4 python data_parallel.py            (add --help for the flags)
 import argparse
 import collections
 import contextlib
+import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -98,6 +100,10 @@ def parse_args(argv, world_size):
                    help="compare with single-process training (default: on)")
     p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N steps as well as at the end (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
     # Data parallelism's own flags.
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB")
     p.add_argument("--no-overlap", action="store_true",
@@ -119,8 +125,11 @@ def parse_args(argv, world_size):
         if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, "
                               f"got {getattr(args, name)}")
-    if args.warmup_steps < 0:
-        raise ConfigError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
+    for name in ("warmup_steps", "save_every"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
     if args.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -168,13 +177,14 @@ def mpi_library():
     return MPI.Get_library_version().splitlines()[0].strip()
 
 
-def inject_failure(comm, step):
-    """Testing aid: FAIL_AT=RANK:STEP:raise|kill makes one rank fail at the start of a step."""
+def inject_failure(comm, step, during="step"):
+    """Testing aid: FAIL_AT=RANK:STEP:raise|kill[:save] makes one rank raise or SIGKILL itself
+    at the start of a step, or with ':save' while writing the checkpoint of that step."""
     spec = os.environ.get("FAIL_AT")
     if not spec:
         return
-    rank, at, how = spec.split(":")
-    if int(rank) == comm.Get_rank() and int(at) == step:
+    rank, at, how, *where = spec.split(":")
+    if int(rank) == comm.Get_rank() and int(at) == step and (where or ["step"])[0] == during:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure (FAIL_AT={spec})")
@@ -505,11 +515,12 @@ def replicate(args, comm, device, exchange):
     return model, optimizer, buckets
 
 
-def train(args, comm, device, exchange, model, optimizer, buckets, log=False):
-    """args.steps data-parallel steps; returns this rank's losses and per-step timings."""
+def train(args, comm, device, exchange, model, optimizer, buckets, done=(), log=False):
+    """The steps after the `done` ones (their global losses, from a checkpoint); returns this
+    rank's losses of the new steps and their timings."""
     rank, world_size, timeline = comm.Get_rank(), comm.Get_size(), exchange.timeline
     losses, records = [], []
-    for step in range(args.steps):
+    for step in range(len(done), args.steps):
         inject_failure(comm, step)
         start = time.perf_counter()
         for group in optimizer.param_groups:
@@ -526,15 +537,21 @@ def train(args, comm, device, exchange, model, optimizer, buckets, log=False):
             say(comm, f"step {step + 1}/{args.steps} | loss {mean_loss:.4f} | "
                       f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
                       f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            so_far = list(done) + finish(args, comm, exchange, model, losses, buffers=False)
+            shard = data_parallel_shard(comm, exchange, model, optimizer, so_far)
+            save_checkpoint(comm, args.save, step + 1, shard, {"model": "LeNet-5+BN"})
     return losses, records
 
 
-def finish(args, comm, exchange, model, losses):
+def finish(args, comm, exchange, model, losses, buffers=True):
     """One model and one loss curve: every rank's loss is that of its slice, the step's is their
     mean; per-rank BatchNorm statistics are averaged. Returns the losses of the global batch."""
     world_size = comm.Get_size()
     losses = (exchange.allreduce(torch.tensor(losses, dtype=torch.float64), "report")
               / world_size).tolist()
+    if not buffers:
+        return losses
     if not args.sync_bn:
         average_buffers(model, exchange)
     if len(set(comm.allgather(checksum(model)))) != 1:
@@ -564,6 +581,122 @@ def accuracy(model, seed, device):
         correct = (model(images.to(device)).argmax(1) == labels.to(device)).float().mean().item()
     model.train()
     return correct
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: a folder appears whole or not at all
+# -----------------------------------------------------------------------------
+def checkpoints(root):
+    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
+    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
+    return [os.path.join(root, n) for n in names]
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_durably(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(comm, root, step, shard, config, keep=2):
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
+    manifest and renames the folder to step-N: a job killed before the rename leaves the
+    previous checkpoint as it was. The folder must be on a file system every rank sees."""
+    final = os.path.join(root, f"step-{step:06d}")
+    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.Barrier()
+    files = {}
+    if shard is not None:
+        name = f"rank-{comm.Get_rank()}.pt"
+        with open(os.path.join(tmp, name), "wb") as f:
+            torch.save(shard, f)
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = sha256(os.path.join(tmp, name))
+    inject_failure(comm, step, "save")
+    every = comm.gather(files, root=0)
+    if comm.Get_rank() == 0:
+        manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                    "step": step, "files": {k: v for d in every for k, v in d.items()}}
+        write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # atomic: the checkpoint is now complete
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)  # make the rename itself durable
+        os.close(fd)
+        for old in checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    comm.Barrier()
+
+
+def load_checkpoint(comm, root, config, shard_name, same_world_size=True):
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
+    Any problem on any rank is a ConfigError on every rank."""
+    error = manifest = shard = None
+    try:
+        found = checkpoints(root)
+        if not found:
+            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
+                              f"start without --resume to create one")
+        path = found[-1]
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+        if manifest["strategy"] != STRATEGY:
+            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if same_world_size and manifest["world_size"] != comm.Get_size():
+            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
+                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
+        if manifest["config"] != config:
+            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
+        name = shard_name(manifest)
+        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
+        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except ConfigError as e:
+        error = str(e)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return manifest, shard
+
+
+def data_parallel_shard(comm, exchange, model, optimizer, losses):
+    """What rank 0 saves: the model, the optimizer, every rank's BatchNorm statistics (they
+    differ without --sync-bn) and the losses so far. Collective: every rank must call it."""
+    buffers = torch.cat([b.reshape(-1) for b in model.buffers() if b.is_floating_point()])
+    every = torch.zeros(comm.Get_size(), buffers.numel(), dtype=buffers.dtype, device=buffers.device)
+    every[comm.Get_rank()] = buffers
+    exchange.allreduce(every, "checkpoint")  # a gather built from the one collective we have
+    if comm.Get_rank() != 0:
+        return None
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "buffers_per_rank": every.cpu(), "losses": list(losses)}
+
+
+def restore(comm, model, optimizer, shard):
+    """Load a data-parallel checkpoint at any world size: the model is replicated. Each rank
+    takes its own BatchNorm statistics when the world size is unchanged, else their mean."""
+    model.load_state_dict(shard["model"])
+    optimizer.load_state_dict(shard["optimizer"])
+    saved = shard["buffers_per_rank"]
+    row = saved[comm.Get_rank()] if saved.size(0) == comm.Get_size() else saved.mean(0)
+    offset = 0
+    for b in (b for b in model.buffers() if b.is_floating_point()):
+        b.copy_(row[offset:offset + b.numel()].view_as(b))
+        offset += b.numel()
+    return shard["losses"]
 
 
 # -----------------------------------------------------------------------------
@@ -678,6 +811,18 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     exchange = Exchange(comm, timeline, cuda_aware)
 
     model, optimizer, buckets = replicate(args, comm, device, exchange)
+    done = []
+    if args.resume:
+        try:
+            manifest, shard = load_checkpoint(comm, args.save, {"model": "LeNet-5+BN"},
+                                              lambda m: "rank-0.pt", same_world_size=False)
+        except ConfigError as e:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
+        done = restore(comm, model, optimizer, shard)
+        say(comm, f"resumed from {args.save} at step {manifest['step']} "
+                  f"(written by {manifest['world_size']} ranks)")
     params = sum(p.numel() for p in model.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     transport = "n/a (CPU)" if device.type == "cpu" else (
@@ -690,10 +835,11 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         f"{args.batch_size // (world_size * args.accum_steps)} | BatchNorm: "
         f"{'synchronized over ranks' if args.sync_bn else 'per rank'}")
 
-    losses, records = train(args, comm, device, exchange, model, optimizer, buckets, log=True)
-    calls = {k: v / args.steps for k, v in exchange.calls.items()}
-    volume = {k: v / args.steps for k, v in exchange.bytes.items()}
-    losses = finish(args, comm, exchange, model, losses)
+    losses, records = train(args, comm, device, exchange, model, optimizer, buckets, done, log=True)
+    ran = max(1, args.steps - len(done))  # per-step counts: the training exchanges only
+    calls = {k: exchange.calls[k] / ran for k in ("allreduce", "syncbn") if exchange.calls[k]}
+    volume = {k: exchange.bytes[k] / ran for k in ("allreduce", "syncbn") if exchange.bytes[k]}
+    losses = list(done) + finish(args, comm, exchange, model, losses)
     acc = accuracy(model, args.seed, device)
     diff = None
     if args.check:
