@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +48,14 @@ def agree(ok, comm=None):
     alone, or one failing rank leaves the others waiting in the next collective."""
     from mpi4py import MPI
     return (comm or world()).allreduce(bool(ok), op=MPI.LAND)
+
+
+def settle(comm=None):
+    """A barrier that sleeps while it waits. Ranks outside a sub-communicator would otherwise
+    busy-poll in the next collective (MPICH does) on the cores the ranks inside compute on."""
+    request = (comm or world()).Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
 
 
 def max_everywhere(value, comm=None):
