@@ -749,13 +749,12 @@ def reference_training(args, world_size, device):
     return losses, model
 
 
-def check(args, world_size, device, losses, model):
+def max_difference(losses, model, ref_losses, ref_model):
     """Largest |difference| in losses and in final parameters and buffers."""
-    ref_losses, ref_model = reference_training(args, world_size, device)
     diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     ref_state = ref_model.state_dict()
     for name, t in model.state_dict().items():
-        diff = max(diff, (t.double() - ref_state[name].double()).abs().max().item())
+        diff = max(diff, (t.double() - ref_state[name].double().to(t.device)).abs().max().item())
     return diff
 
 
@@ -843,7 +842,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     acc = accuracy(model, args.seed, device)
     diff = None
     if args.check:
-        diff = check(args, world_size, device, losses, model) if rank == 0 else None
+        diff = (max_difference(losses, model, *reference_training(args, world_size, device))
+                if rank == 0 else None)
         diff = comm.bcast(diff, root=0)
     if args.trace:
         write_trace(comm, timeline, args.trace, t0)

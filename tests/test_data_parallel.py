@@ -24,14 +24,6 @@ def run_steps(comm, argv):
     return dp.finish(args, comm, exchange, model, losses), model, exchange
 
 
-def largest_difference(losses, model, ref_losses, ref_model):
-    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    ref_state = ref_model.state_dict()
-    for name, t in model.state_dict().items():
-        diff = max(diff, (t.double() - ref_state[name].double()).abs().max().item())
-    return diff
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("overlap", [True, False])
@@ -103,7 +95,7 @@ def test_training_steps_equal_the_single_process_reference(size, flags):
             argv = ["--steps", "3", "--batch-size", "24"] + flags
             losses, model, _ = run_steps(comm, argv)
             ref_losses, ref_model = dp.reference_training(dp.parse_args(argv, size), size, CPU)
-            diff = largest_difference(losses, model, ref_losses, ref_model)
+            diff = dp.max_difference(losses, model, ref_losses, ref_model)
         assert max_everywhere(diff) <= dp.TOLERANCE
 
 
@@ -111,34 +103,37 @@ def test_training_steps_equal_the_single_process_reference(size, flags):
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_overlap_and_no_overlap_give_the_same_parameters(size):
     with sub_comm(size) as comm:
-        diff = 0.0
+        diff, several_buckets = 0.0, True
         if comm is not None:
             argv = ["--steps", "3", "--batch-size", "24", "--sync-bn"]
             _, overlapped, ex = run_steps(comm, argv + ["--bucket-mb", "0.02"])
             _, blocking, ex_blocking = run_steps(comm, argv + ["--no-overlap"])
             diff = max((a - b).abs().max().item()
                        for a, b in zip(overlapped.parameters(), blocking.parameters()))
-            assert ex.calls["allreduce"] > 3 * ex_blocking.calls["allreduce"]  # several buckets
+            several_buckets = ex.calls["allreduce"] == 3 * ex_blocking.calls["allreduce"] == 9
+        assert agree(several_buckets)
         # MPI may sum a 20 KB bucket and the whole 250 KB in different orders: rounding only.
         assert max_everywhere(diff) < 1e-6
 
 
 @pytest.mark.mpi
 def test_accumulation_steps_equal_one_larger_step():
-    """Per-rank BatchNorm sees the same slices whether they are ranks or micro-steps:
-    4 ranks x 1, 2 ranks x 2 and 1 rank x 4 micro-steps train the same network."""
+    """Per-rank BatchNorm normalizes the same slices whether they are ranks or micro-steps:
+    4 ranks x 1, 2 ranks x 2 and 1 rank x 4 micro-steps give the same losses and parameters.
+    (Not the same running statistics: micro-steps update them one after another.)"""
     results = {}
     for size, accum in ((4, 1), (2, 2), (1, 4)):
         with sub_comm(size) as comm:
             if comm is not None:
                 argv = ["--steps", "3", "--batch-size", "32", "--accum-steps", str(accum)]
-                results[size] = run_steps(comm, argv)
+                losses, model, _ = run_steps(comm, argv)
+                results[size] = losses, list(model.parameters())
     diff = 0.0
     if dp.MPI.COMM_WORLD.Get_rank() == 0:
-        ref_losses, ref_model, _ = results[4]
-        for size in (2, 1):
-            losses, model, _ = results[size]
-            diff = max(diff, largest_difference(losses, model, ref_losses, ref_model))
+        ref_losses, ref_params = results[4]
+        for losses, params in (results[2], results[1]):
+            diff = max([diff] + [abs(a - b) for a, b in zip(losses, ref_losses)]
+                       + [(p - q).abs().max().item() for p, q in zip(params, ref_params)])
     assert max_everywhere(diff) <= dp.TOLERANCE
 
 
