@@ -41,6 +41,7 @@ def sub_comm(size):
     finally:
         if sub != MPI.COMM_NULL:
             sub.Free()
+        settle()  # the ranks left out sleep here instead of spinning beside the others
 
 
 def agree(ok, comm=None):
