@@ -510,13 +510,13 @@ def tag(kind, mb):
     return 1 + 2 * mb + (kind == "grad")  # tag 0: the shapes, before training
 
 
-def agree_shapes(stage, comm, micro_batch, seq_len, device):
+def agree_shapes(stage, comm, batch, seq_len, device):
     """Before training, each stage learns what it will receive: rank r runs its stage on a probe of
     its input and tells rank r+1 the shape and dtype of its output (metadata: pickled is fine).
     Returns (shape, dtype) of the activations this rank receives and of the gradients."""
     rank, n = comm.Get_rank(), comm.Get_size()
     if rank == 0:
-        probe = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+        probe = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     else:
         shape, dtype = comm.recv(source=rank - 1, tag=0)
         probe = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
@@ -669,20 +669,20 @@ def draw_timeline(rows, length, columns, width):
 
 
 def measured_timeline(comm, timeline, window, t0, width, most):
-    """The last step as every rank lived it, on the clock started at the barrier before training;
-    a cell lasts a typical forward (the fastest rank's median), so a backward shows about twice."""
-    start, end = window
-    rows = comm.gather([("o" if name == "optimizer" else name, s - t0, e - t0) for name, cat, s, e
-                        in timeline.events if cat == "compute" and start <= s and e <= end], root=0)
-    starts, ends = comm.gather(start - t0, root=0), comm.gather(end - t0, root=0)
+    """The last step as every rank lived it (on its clock since the barrier before training), from
+    rank 0's start, which runs the first forward, to the end of the last rank to finish. A cell
+    lasts a typical forward, the fastest rank's median, so that a backward shows about twice."""
+    ends = comm.allgather((window[0] - t0, window[1] - t0))
+    first, last = ends[0][0], max(e for _, e in ends)
+    rows = comm.gather([("o" if name == "optimizer" else name, max(0.0, s - t0 - first), e - t0 - first)
+                        for name, cat, s, e in timeline.events if cat == "compute" and s >= window[0]], root=0)
     if comm.Get_rank() != 0:
         return []
-    first, length = min(starts), max(ends) - min(starts)
-    forward = min(statistics.median([e - s for name, s, e in row if name[0] == "F"]) for row in rows)
-    columns = max(1, min(most, round(length / forward)))
-    rows = [[(name, s - first, e - first) for name, s, e in row] for row in rows]
-    return draw_timeline(rows, length, columns, width) + \
-        [f"         one cell {length / columns * 1e3:.2f} ms, the step {length * 1e3:.1f} ms"]
+    forward = min(statistics.median([e - s for name, s, e in row if name[0] == "F"] or [last - first])
+                  for row in rows)
+    columns = max(1, min(most, round((last - first) / forward)))
+    return draw_timeline(rows, last - first, columns, width) + \
+        [f"         one cell {(last - first) / columns * 1e3:.2f} ms, the step {(last - first) * 1e3:.1f} ms"]
 
 
 def write_trace(comm, timeline, path, t0):

@@ -1,0 +1,115 @@
+"""model_parallel.py: the layer split, one step under MPI against one process, the script end to end."""
+import os
+
+import pytest
+import torch
+
+import model_parallel as mp
+from harness import SIZES, agree, error_lines, last_json, launch, max_everywhere, settle, sub_comm, world
+
+TINY = ["--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "6", "--steps", "3",
+        "--seed", "5"]
+
+
+@pytest.mark.parametrize("layers,n", [(l, n) for n in range(1, 9) for l in range(n, 17)])
+def test_layer_split_is_contiguous_complete_and_balanced(layers, n):
+    split = mp.layer_split(layers, n)
+    assert split[0][0] == 0 and split[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(split, split[1:]))
+    sizes = [hi - lo for lo, hi in split]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("layers,n", [(4, 1), (4, 4), (5, 2), (7, 3), (6, 4)])
+def test_stages_hold_every_parameter_once(layers, n):
+    args = mp.parse_args(TINY + ["--layers", str(layers)], n)
+    model = mp.build_model(args, torch.device("cpu"))
+    stages = [mp.stage_of(model, r, n) for r in range(n)]
+    held = [id(p) for s in stages for p in s.parameters()]
+    assert sorted(held) == sorted(id(p) for p in model.parameters())
+    x, _ = mp.make_batch(args.seed, 0, args.batch_size, args.seq_len)
+    out = x
+    for s in stages:  # the parts in turn compute what the whole model does
+        out = s(out)
+    assert torch.equal(out, model(x))
+
+
+@pytest.mark.parametrize("argv,world,says", [
+    (["--layers", "3"], 4, "--layers 4 or more, or at most 3 ranks"),
+    (["--hidden", "30", "--heads", "4"], 1, "multiple of 4"),
+    (["--seq-len", "1000000"], 1, "use at most"),
+    (["--steps", "0"], 2, "positive integer"),
+    (["--micro-batches", "4"], 2, "unrecognized arguments"),
+])
+def test_bad_configuration_names_what_works(argv, world, says):
+    with pytest.raises(mp.ConfigError) as e:
+        mp.parse_args(argv, world)
+    assert says in str(e.value)
+
+
+def train_split(args, comm):
+    """The pieces main() uses, without the report: losses (on every rank), model, stage."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    device = torch.device("cpu")
+    # A fair share of the cores for every rank of the job, not only of this sub-communicator.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
+    exchange = mp.Exchange(comm, mp.Timeline(device), False)
+    model = mp.build_model(args, device)
+    stage = mp.stage_of(model, rank, n)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    shapes = mp.agree_shapes(stage, comm, args.batch_size, args.seq_len, device)
+    losses = [mp.train_step(stage, optimizer, *mp.make_batch(args.seed, step, args.batch_size, args.seq_len),
+                            shapes, exchange, exchange.timeline) for step in range(args.steps)]
+    return comm.bcast(losses, root=n - 1), model, stage
+
+
+def check_against_reference(comm, size):
+    for layers in sorted({size, 5}):  # divisible by the world size or not
+        args = mp.parse_args(TINY + ["--layers", str(layers)], size)
+        losses, model, stage = train_split(args, comm)
+        ref_losses, ref_model = mp.reference_training(args, torch.device("cpu"))
+        ref = dict(zip(model.parameters(), ref_model.parameters()))
+        diff = max([abs(a - b) for a, b in zip(losses, ref_losses)] +
+                   [(p - ref[p]).abs().max().item() for p in stage.parameters()])
+        assert max_everywhere(diff, comm) <= mp.TOLERANCE, (size, layers)
+        untouched = [p for p in model.parameters() if all(p is not q for q in stage.parameters())]
+        initial = dict(zip(model.parameters(), mp.build_model(args, torch.device("cpu")).parameters()))
+        assert agree(all(torch.equal(p, initial[p]) for p in untouched), comm)  # others' layers: not ours
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", SIZES)
+def test_model_parallel_equals_single_process_training(size):
+    try:
+        with sub_comm(size) as comm:
+            if comm is not None:
+                check_against_reference(comm, size)
+    finally:
+        settle()  # the ranks left out wait without spinning on the cores of those inside
+
+
+@pytest.mark.e2e
+def test_launches_agree_across_world_sizes():
+    runs = {}
+    for np_, layers in [(1, 4), (2, 4), (3, 4), (4, 4)]:  # 4 layers: 3 ranks split them unevenly
+        out = launch("model_parallel.py", np_, "--steps", 4, "--seed", 2, "--layers", layers, "--json")
+        runs[np_, layers] = result = last_json(out)
+        assert result["check_max_abs_diff"] <= mp.TOLERANCE and "-> PASS" in out.stdout
+        assert "rank 0 | F" in out.stdout and "measured timeline" in out.stdout
+        assert "pipeline_parallel.py" in out.stdout
+        assert len(result["busy_fraction"]) == np_ and all(0 < b <= 1 for b in result["busy_fraction"])
+        assert sum(result["param_bytes"]) * 2 == result["single_process_bytes"]
+        assert result["optimizer_state_bytes"] == result["param_bytes"]  # SGD momentum: one buffer each
+        assert result["comm_bytes_per_step"] == 2 * (np_ - 1) * 16 * 64 * 64 * 4
+    base = runs[1, 4]["losses"]
+    for key, result in runs.items():
+        assert max(abs(a - b) for a, b in zip(result["losses"], base)) <= mp.TOLERANCE, key
+    assert runs[3, 4]["layer_split"] == [[0, 2], [2, 3], [3, 4]]
+
+
+@pytest.mark.e2e
+def test_bad_configuration_exits_2_with_one_line():
+    out = launch("model_parallel.py", 4, "--layers", 3, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert len(error_lines(out)) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout == ""
