@@ -1,4 +1,4 @@
-"""Model parallelism over MPI, the naive layer split: each rank holds some layers, one rank works at a time.
+"""Model parallelism over MPI, the naive layer split: one rank holds each part, one works at a time.
 
 What is split: the model's layers. Rank r holds one contiguous part of the stack, with its
 parameters and their optimizer state, so a model too large for one device fits on N of them. The
@@ -119,7 +119,8 @@ def parse_args(argv, world_size):
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
                           f"multiple of {args.heads}, or --heads that divides {args.hidden}")
     if args.seq_len > len(load_text()) - 2:
-        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most "
+                          f"{len(load_text()) - 2}")
     if args.layers < world_size:
         raise ConfigError(f"--layers {args.layers} cannot fill {world_size} stages, one per rank; "
                           f"use --layers {world_size} or more, or at most {args.layers} ranks")
@@ -369,7 +370,8 @@ def stage_of(model, rank, n):
 def describe_split(layers, n):
     return " | ".join(f"rank {r}: " + "embeddings + " * (r == 0) +
                       (f"block {lo}" if hi - lo == 1 else f"blocks {lo}-{hi - 1}") +
-                      " + norm, head, loss" * (r == n - 1) for r, (lo, hi) in enumerate(layer_split(layers, n)))
+                      " + norm, head, loss" * (r == n - 1)
+                      for r, (lo, hi) in enumerate(layer_split(layers, n)))
 
 
 # -----------------------------------------------------------------------------
@@ -520,7 +522,8 @@ def measured_timeline(comm, timeline, window, t0, width, most):
     ends = comm.allgather((window[0] - t0, window[1] - t0))
     first, last = ends[0][0], max(e for _, e in ends)
     rows = comm.gather([("o" if name == "optimizer" else name, max(0.0, s - t0 - first), e - t0 - first)
-                        for name, cat, s, e in timeline.events if cat == "compute" and s >= window[0]], root=0)
+                        for name, cat, s, e in timeline.events
+                        if cat == "compute" and s >= window[0]], root=0)
     if comm.Get_rank() != 0:
         return []
     forward = min(statistics.median([e - s for name, s, e in row if name[0] == "F"] or [last - first])
@@ -643,15 +646,16 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         f"share of the step per rank: busy {' '.join(f'{100 * b:.0f}%' for b in busy)} | waiting for a "
         f"peer {' '.join(f'{100 * w:.0f}%' for w in waits)} | ideal: busy 1/N = {100 / n:.0f}%, idle "
         f"(N-1)/N = {100 * (n - 1) / n:.0f}%",
-        f"held per rank (parameters + optimizer state): " + " | ".join(
-            f"{(a + b) / 1e6:.2f} MB ({100 * (a + b) / one_process:.0f}%)" for a, b in zip(param_bytes, state_bytes))
-        + f" of the {one_process / 1e6:.2f} MB one process holds",
+        "held per rank (parameters + optimizer state): " + " | ".join(
+            f"{(a + b) / 1e6:.2f} MB ({100 * (a + b) / one_process:.0f}%)" for a, b in
+            zip(param_bytes, state_bytes)) + f" of the {one_process / 1e6:.2f} MB one process holds",
         f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
         f"2(N-1) x B x T x H x 4 = {formula:,} | no collective in the step",
         f"pipeline_parallel.py cuts the batch into M micro-batches so that the ranks work at once: "
         f"with N = {n} and M = {m}, idle (N-1)/(M+N-1) = {100 * (n - 1) / (m + n - 1):.0f}% of the step "
         f"instead of (N-1)/N = {100 * (n - 1) / n:.0f}% here (measured: {100 * idle:.0f}% waiting); "
-        f"mpirun -np {n} python pipeline_parallel.py measures it")
+        f"mpirun -np {n} python pipeline_parallel.py measures it" if n > 1 else
+        "one rank holds the whole model and never waits: there is no idle time for a pipeline to remove")
     ok = diff is None or diff <= TOLERANCE
     if diff is not None:
         say(comm, f"check against single-process training: max |diff| {diff:.2e} "

@@ -129,14 +129,16 @@ def parse_args(argv, world_size):
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
                           f"multiple of {args.heads}, or --heads that divides {args.hidden}")
     if args.seq_len > len(load_text()) - 2:
-        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most "
+                          f"{len(load_text()) - 2}")
     if args.layers < world_size:
         raise ConfigError(f"--layers {args.layers} cannot fill {world_size} stages, one per rank; "
                           f"use --layers {world_size} or more, or at most {args.layers} ranks")
     if args.batch_size % args.micro_batches:
         works = ", ".join(str(m) for m in range(1, args.batch_size + 1) if args.batch_size % m == 0)
-        raise ConfigError(f"--batch-size {args.batch_size} does not split into {args.micro_batches} micro-"
-                          f"batches; use --micro-batches {works}, or a --batch-size multiple of {args.micro_batches}")
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {args.micro_batches} "
+                          f"micro-batches; use --micro-batches {works}, or a --batch-size multiple "
+                          f"of {args.micro_batches}")
     return args
 
 
@@ -383,7 +385,8 @@ def stage_of(model, rank, n):
 def describe_split(layers, n):
     return " | ".join(f"rank {r}: " + "embeddings + " * (r == 0) +
                       (f"block {lo}" if hi - lo == 1 else f"blocks {lo}-{hi - 1}") +
-                      " + norm, head, loss" * (r == n - 1) for r, (lo, hi) in enumerate(layer_split(layers, n)))
+                      " + norm, head, loss" * (r == n - 1)
+                      for r, (lo, hi) in enumerate(layer_split(layers, n)))
 
 
 # -----------------------------------------------------------------------------
@@ -417,11 +420,13 @@ class ScheduleError(Exception):
 
 
 def forward_actions(n, rank, i):
-    return [Action("recv_act", i)] * (rank > 0) + [Action("forward", i)] + [Action("send_act", i)] * (rank < n - 1)
+    return [Action("recv_act", i)] * (rank > 0) + [Action("forward", i)] + \
+        [Action("send_act", i)] * (rank < n - 1)
 
 
 def backward_actions(n, rank, i):
-    return [Action("recv_grad", i)] * (rank < n - 1) + [Action("backward", i)] + [Action("send_grad", i)] * (rank > 0)
+    return [Action("recv_grad", i)] * (rank < n - 1) + [Action("backward", i)] + \
+        [Action("send_grad", i)] * (rank > 0)
 
 
 def gpipe(n, m, rank):
@@ -675,7 +680,8 @@ def measured_timeline(comm, timeline, window, t0, width, most):
     ends = comm.allgather((window[0] - t0, window[1] - t0))
     first, last = ends[0][0], max(e for _, e in ends)
     rows = comm.gather([("o" if name == "optimizer" else name, max(0.0, s - t0 - first), e - t0 - first)
-                        for name, cat, s, e in timeline.events if cat == "compute" and s >= window[0]], root=0)
+                        for name, cat, s, e in timeline.events
+                        if cat == "compute" and s >= window[0]], root=0)
     if comm.Get_rank() != 0:
         return []
     forward = min(statistics.median([e - s for name, s, e in row if name[0] == "F"] or [last - first])

@@ -1,4 +1,5 @@
 """model_parallel.py: the layer split, one step under MPI against one process, the script end to end."""
+import json
 import os
 
 import pytest
@@ -89,14 +90,15 @@ def test_model_parallel_equals_single_process_training(size):
 
 
 @pytest.mark.e2e
-def test_launches_agree_across_world_sizes():
+def test_launches_agree_across_world_sizes(tmp_path):
     runs = {}
     for np_, layers in [(1, 4), (2, 4), (3, 4), (4, 4)]:  # 4 layers: 3 ranks split them unevenly
-        out = launch("model_parallel.py", np_, "--steps", 4, "--seed", 2, "--layers", layers, "--json")
+        extra = ["--trace", tmp_path / "trace.json"] if np_ == 4 else []
+        out = launch("model_parallel.py", np_, "--steps", 4, "--seed", 2, "--layers", layers, "--json", *extra)
         runs[np_, layers] = result = last_json(out)
         assert result["check_max_abs_diff"] <= mp.TOLERANCE and "-> PASS" in out.stdout
         assert "rank 0 | F" in out.stdout and "measured timeline" in out.stdout
-        assert "pipeline_parallel.py" in out.stdout
+        assert ("pipeline_parallel.py" in out.stdout) == (np_ > 1)
         assert len(result["busy_fraction"]) == np_ and all(0 < b <= 1 for b in result["busy_fraction"])
         assert sum(result["param_bytes"]) * 2 == result["single_process_bytes"]
         assert result["optimizer_state_bytes"] == result["param_bytes"]  # SGD momentum: one buffer each
@@ -105,6 +107,9 @@ def test_launches_agree_across_world_sizes():
     for key, result in runs.items():
         assert max(abs(a - b) for a, b in zip(result["losses"], base)) <= mp.TOLERANCE, key
     assert runs[3, 4]["layer_split"] == [[0, 2], [2, 3], [3, 4]]
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in trace} == {0, 1, 2, 3}
+    assert {"F", "B", "optimizer", "send", "recv", "wait recv"} <= {e["name"] for e in trace}
 
 
 @pytest.mark.e2e
