@@ -669,6 +669,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    comm.Barrier()
+    t0 = time.perf_counter()  # the trace's zero, about the same moment on every rank
     device = setup_device(comm, args.device)
     cuda_aware = device.type == "cuda" and mpi_cuda_aware(comm)
     timeline = Timeline(device)
@@ -690,8 +692,6 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         + (f", padded to {padded} (a multiple of {world_size}, as Megatron pads; the padding is "
            f"masked out of the softmax)" if padded != VOCAB else ""))
 
-    comm.Barrier()
-    t0 = time.perf_counter()
     losses, records = train(args, comm, device, exchange, model, optimizer, log=True)
     calls = {k: v / args.steps for k, v in exchange.calls.items()}
     volume = {k: v / args.steps for k, v in exchange.bytes.items()}
