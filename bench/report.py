@@ -1,0 +1,397 @@
+"""The benchmark's markdown: one table per strategy, the scaling table and the findings.
+
+render(meta, runs) takes what bench/run.py collected: meta (date, machine, command, ...) and one
+entry per mpirun job, {"group", "ranks", "env", "result": the worker's JSON or None, "error"}.
+Every ratio is paired: taken round by round between cases of the same job, then the median.
+"""
+import statistics
+
+OVERSUBSCRIBED = "†"
+
+
+# -----------------------------------------------------------------------------
+# Finding cases, and the few numbers made from them
+# -----------------------------------------------------------------------------
+def job(runs, group, ranks, env=None):
+    """The entry of one job: the group at that world size, with exactly that extra environment."""
+    return next((r for r in runs if r["group"] == group and r["ranks"] == ranks
+                 and r["env"] == (env or {})), None)
+
+
+def case(run, **tags):
+    """The first case of a job whose tags hold all of `tags`; None when there is none."""
+    if not run or not run["result"]:
+        return None
+    return next((c for c in run["result"]["cases"]
+                 if all(c["tags"].get(k) == v for k, v in tags.items())), None)
+
+
+def ok(c):
+    return c is not None and "error" not in c["result"]
+
+
+def rounds(c, key="step_time_s"):
+    return c["result"].get(f"{key}_rounds") or [c["result"][key]]
+
+
+def paired(a, b, op, key="step_time_s"):
+    """op(a's time, b's time) in each round that both ran."""
+    return [op(x, y) for x, y in zip(rounds(a, key), rounds(b, key))]
+
+
+def ratio(a, b, key="step_time_s"):
+    ok_both = ok(a) and ok(b) and key in a["result"] and key in b["result"]
+    return statistics.median(paired(a, b, lambda x, y: x / y, key)) if ok_both else None
+
+
+def excess(a, b):
+    return statistics.median(paired(a, b, lambda x, y: x - y)) if ok(a) and ok(b) else None
+
+
+def excess_spread(a, b):
+    """The lowest and highest round of a - b: where the noise of this machine puts them."""
+    values = paired(a, b, lambda x, y: x - y) if ok(a) and ok(b) else []
+    return (min(values), max(values)) if values else None
+
+
+def loss_diff(a, b):
+    """Largest |difference| between two cases' loss curves: do they train the same thing?"""
+    if not (ok(a) and ok(b)) or "losses" not in a["result"] or "losses" not in b["result"]:
+        return None
+    return max(abs(x - y) for x, y in zip(a["result"]["losses"], b["result"]["losses"]))
+
+
+# -----------------------------------------------------------------------------
+# Formatting
+# -----------------------------------------------------------------------------
+def ms(seconds):
+    return "–" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def step_cell(c):
+    """Median step in ms, with the range over rounds: how noisy the machine was."""
+    if len(rounds(c)) == 1:
+        return ms(c["result"]["step_time_s"])
+    return f"{ms(c['result']['step_time_s'])} ({ms(min(rounds(c)))}–{ms(max(rounds(c)))})"
+
+
+def times(x, digits=2):
+    return "–" if x is None else f"{x:.{digits}f}×"
+
+
+def pct(x):
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def sci(x):
+    return "–" if x is None else f"{x:.1e}"
+
+
+def plural(count, noun):
+    return f"{count:g} {noun}{'' if count == 1 else 's'}"
+
+
+def per_rank(values, fmt=str):
+    return "–" if not values else " / ".join(fmt(v) for v in values)
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return lines + [""]
+
+
+def ranks_label(n, cores):
+    return f"{n} {OVERSUBSCRIBED}" if n > cores else str(n)
+
+
+def failed_row(c, width):
+    """A case that did not run: its label and the one line why, across the row."""
+    return [c["label"], f"not measured: {c['result']['error']}"] + [""] * (width - 2)
+
+
+def load_line(entries):
+    """The load average around each job of a table: how much the machine was shared."""
+    parts = [f"N = {e['ranks']}" + "".join(f", {k}={v}" for k, v in e["env"].items())
+             + f": {e['load'][0]} → {e['load'][1]}" for e in entries if e.get("load")]
+    return [f"Load average (1 min) at the start → end of each job: {'; '.join(parts)}.", ""] if parts else []
+
+
+def check_cell(c):
+    """The check's largest difference from single-process training, and the script's verdict."""
+    d = c["result"].get("check_max_abs_diff")
+    if d is None:
+        return "–"
+    return f"{d:.1e} " + ("pass" if c["result"].get("check_passed", True) else "FAIL")
+
+
+# -----------------------------------------------------------------------------
+# The sections
+# -----------------------------------------------------------------------------
+def header(meta, runs):
+    m = meta["machine"]
+    done = next((r["result"] for r in runs if r["result"]), {}) or {}
+    lines = [f"# Benchmarks ({meta['mode']})", "",
+             f"`{meta['command']}` on {m['cpu']}, {m['cores']} cores, {meta['date']}; "
+             f"load average {m['load']} when it started (a shared machine); "
+             f"Python {m['python']}, torch {meta['torch']}, {done.get('mpi_library', 'MPI')}; "
+             f"{meta['seconds']:.0f} s in all.", "",
+             "Each number: per step, the median over the steps after the first, of the slowest rank; "
+             "then the median over rounds in which all cases of one job take turns (range over rounds "
+             "in brackets). Ratios are taken round by round between cases of the same job, then the "
+             f"median. {OVERSUBSCRIBED}: more ranks than cores (oversubscribed; each rank gets "
+             f"max(1, cores / ranks) torch threads, as the scripts set them).", ""]
+    if meta["missing"]:
+        lines += [f"Not in the repository when this ran, so not measured: "
+                  f"{', '.join(s + '.py' for s in meta['missing'])}.", ""]
+    failed = {}
+    for r in runs:
+        if r["error"]:
+            key = (r["ranks"], tuple(r["env"].items()), r["error"])
+            failed.setdefault(key, []).append(r["group"])
+    for (ranks, env, error), groups in failed.items():
+        lines.append(f"Job `{' '.join(groups)} -np {ranks}" + "".join(f" {k}={v}" for k, v in env)
+                     + f"` failed: {error}.")
+    return lines + ([""] if failed else [])
+
+
+def data_parallel(meta, runs, cores):
+    lines = ["## Data parallelism: data_parallel.py, PyTorch DDP, the bare allreduce", ""]
+    jobs = [(n, {}) for n in (2, 4)] + [(n, {"MPIR_CVAR_ASYNC_PROGRESS": "1"}) for n in (2, 4)]
+    jobs = [(n, env, job(runs, "dp", n, env)) for n, env in jobs if job(runs, "dp", n, env)]
+    jobs = [(n, env, j) for n, env, j in jobs if j["result"]]
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][2]["result"]
+    cfg = first.get("config") or {}
+    limit = case(jobs[0][2], kind="limit", variant="mpi")
+    grad_bytes = limit["result"].get("bytes") if ok(limit) else None
+    lines += [f"LeNet-5 with BatchNorm, global batch {cfg.get('batch_size')} split over the N ranks, "
+              f"G = {grad_bytes:,} bytes of float32 gradients per step"
+              f" ({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}). "
+              "*Exchange in MPI*: the script's own clock of the gradient exchange on the critical path: "
+              "the blocking allreduce, or with overlap the start of each bucket's Iallreduce and the "
+              "wait for it after backward (the polls during backward count as backward); "
+              "*× bare*: that as a multiple of one bare MPI Allreduce of G bytes on the same ranks, "
+              "the limit. *Step − compute alone*: the step time minus that of the same training with "
+              "no exchange at all, every rank computing at once (so the cores are shared as in the "
+              "real run), with the lowest and highest round.", ""]
+    head = ["N", "run", "step ms (range)", "× DDP", "exchange in MPI ms", "× bare",
+            "step − compute alone ms (range)", "loss Δ vs DDP", "check"]
+    rows = []
+    for n, env, j in jobs:
+        where = ranks_label(n, cores) + "".join(f", {k}={v}" for k, v in env.items())
+        peer, floor = case(j, variant="ddp"), case(j, kind="floor")
+        bare = case(j, kind="limit", variant="mpi")
+        bare_s = bare["result"]["step_time_s"] if ok(bare) else None
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([where] + failed_row(c, len(head) - 1))
+                continue
+            r, kind = c["result"], c["tags"]["kind"]
+            label = c["label"] + (f" ({plural(r['buckets'], 'bucket')})" if "buckets" in r else "")
+            if kind == "limit":
+                rows.append([where, label, ms(r["step_time_s"]), "–", "–",
+                             times(r["step_time_s"] / bare_s if bare_s else None), "–", "–", "–"])
+                continue
+            spread = excess_spread(c, floor) if kind != "floor" else None
+            exposed = ms(excess(c, floor)) + (f" ({ms(spread[0])} to {ms(spread[1])})"
+                                              if spread and spread[0] != spread[1] else "") \
+                if spread else "–"
+            comm = r.get("comm_s") if kind == "strategy" else None
+            rows.append([where, label, step_cell(c), times(ratio(c, peer)), ms(comm),
+                         times(comm / bare_s if comm is not None and bare_s else None, 1), exposed,
+                         sci(loss_diff(c, peer)) if kind == "strategy" else "–",
+                         check_cell(c) if kind == "strategy" else "–"])
+    return lines + table(head, rows) + load_line([j for _, _, j in jobs])
+
+
+def pipeline(meta, runs, cores):
+    lines = ["## Pipeline and model parallelism: both schedules, a range of M, "
+             "torch.distributed.pipelining", ""]
+    jobs = [(n, job(runs, "pp", n)) for n in (2, 4)]
+    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][1]["result"]
+    cfg = first.get("config") or {}
+    lines += [f"GPT, {cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × {cfg.get('heads')} heads, "
+              f"global batch {cfg.get('batch_size')} sequences of {cfg.get('seq_len')} characters cut "
+              f"into M micro-batches ({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}). "
+              "*Bubble*: the share of the step a rank waits for a peer, mean over ranks; theory "
+              "(N−1)/(M+N−1), which for model parallelism (the whole batch at once) is M = 1. "
+              "*Peak activations*: micro-batches held at once per rank, and the bytes autograd saved "
+              "for them.", ""]
+    head = ["N", "run", "M", "step ms (range)", "bubble measured", "theory", "peak held per rank",
+            "peak MB per rank", "× torch", "check"]
+    rows = []
+    for n, j in jobs:
+        where = ranks_label(n, cores)
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([where] + failed_row(c, len(head) - 1))
+                continue
+            r, t = c["result"], c["tags"]
+            if t["kind"] == "peer":
+                rows.append([where, c["label"], t["m"], step_cell(c), "–", "–", "–", "–", "1.00×", "–"])
+                continue
+            m, label = t.get("m", 1), c["label"]
+            if t["strategy"] == "model_parallel":  # waiting for a peer, as the pipeline's bubble
+                measured = statistics.mean(r["idle_fraction"]) if r.get("idle_fraction") else None
+                if r.get("param_bytes"):
+                    label += (" (holds parameters + optimizer state per rank: " + per_rank(
+                        [a + b for a, b in zip(r["param_bytes"], r.get("optimizer_state_bytes") or
+                                               [0] * len(r["param_bytes"]))], lambda b: f"{b / 1e6:.2f}")
+                              + " MB)")
+            else:
+                measured = r.get("bubble_fraction")
+            peer = case(j, kind="peer", schedule=t.get("schedule"), m=m)
+            rows.append([where, label, m, step_cell(c), pct(measured),
+                         pct(r.get("bubble_fraction_theory", (n - 1) / (m + n - 1))),
+                         per_rank(r.get("peak_activations")),
+                         per_rank(r.get("peak_activation_bytes"), lambda b: f"{b / 1e6:.2f}"),
+                         times(ratio(c, peer)), check_cell(c)])
+    return lines + table(head, rows) + load_line([j for _, j in jobs])
+
+
+def tensor_parallel(meta, runs, cores):
+    lines = ["## Tensor parallelism: tensor_parallel.py and torch.distributed.tensor.parallel", ""]
+    jobs = [(n, job(runs, "tp", n)) for n in (1, 2, 4)]
+    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][1]["result"]
+    cfg = first.get("config") or {}
+    L, B, T, h = (cfg.get(k) for k in ("layers", "batch_size", "seq_len", "hidden"))
+    calls, volume = 4 * L + 5, (4 * L + 2) * 4 * B * T * h + 3 * 4 * B * T
+    lines += [f"GPT, {L} blocks × {h} hidden × {cfg.get('heads')} heads, batch {B} × {T} characters "
+              f"({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}). Formula per step: "
+              f"4L + 5 = {calls} allreduces, (4L + 2) × 4BTh + 3 × 4BT = {volume:,} bytes from each "
+              "rank. The torch peer splits the same layers the same way (Colwise: qkv, fc1, head; "
+              "Rowwise: proj, fc2, embedding; loss_parallel).", ""]
+    head = ["N", "run", "step ms (range)", "× torch", "allreduces/step (formula)",
+            "bytes/step (formula)", "loss Δ vs tensor_parallel.py", "check"]
+    rows = []
+    for n, j in jobs:
+        where = ranks_label(n, cores)
+        ours, peer = case(j, kind="strategy"), case(j, kind="peer")
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([where] + failed_row(c, len(head) - 1))
+                continue
+            r, mine = c["result"], c["tags"]["kind"] == "strategy"
+            rows.append([where, c["label"], step_cell(c), times(ratio(c, peer)),
+                         f"{r['collectives_per_step']:g} ({calls})" if mine else "–",
+                         f"{r['comm_bytes_per_step']:,.0f} ({volume:,})" if mine else "–",
+                         "–" if mine else sci(loss_diff(c, ours)), check_cell(c) if mine else "–"])
+    return lines + table(head, rows)
+
+
+def scaling(meta, runs, cores):
+    lines = ["## Scaling: the same global batch at N = 1, 2, 4", ""]
+    j = max((r for r in runs if r["group"] == "scaling" and r["result"]), key=lambda r: r["ranks"], default=None)
+    if j is None:
+        return lines + ["Not measured (see above).", ""]
+    cases = j["result"]["cases"]
+    columns = sorted({(c["tags"]["n"], c["tags"]["threads"]) for c in cases}, key=lambda k: (k[0], k[1]))
+    base = min(columns)  # one rank on the fewest threads: one core
+    lines += [f"All sizes in one `mpirun -np {j['ranks']}` job, taking turns; at N < {j['ranks']} the "
+              "other ranks sleep. Each strategy sets its torch threads from the N ranks it is given, "
+              f"max(1, {cores} cores / N), as under `mpirun -np N`; the first column caps N = 1 at one "
+              f"thread: one core, the baseline ({plural(j['result']['steps'], 'step')} per run, "
+              f"{plural(j['result']['rounds'], 'round')}). Speedup: T(baseline)/T(N), paired round by "
+              f"round; efficiency: speedup / N. This machine has {cores} cores, shared with other "
+              f"work: at N > {cores} ({OVERSUBSCRIBED}) the ranks take turns on the cores, so the "
+              f"efficiency there cannot exceed {cores}/N even for a perfect strategy.", ""]
+    head = ["strategy (run)"] + [f"N = {ranks_label(n, cores)}, {plural(t, 'thread')}"
+                                 + (" per rank" if n > 1 else "") + ": ms, speedup, efficiency"
+                                 for n, t in columns]
+    rows = []
+    for label in dict.fromkeys(c["label"] for c in cases):
+        found = {(c["tags"]["n"], c["tags"]["threads"]): c for c in cases if c["label"] == label}
+        cells = []
+        for n, t in columns:
+            c = found.get((n, t))
+            if not ok(c):
+                cells.append("not measured" + (f": {c['result']['error']}" if c else ""))
+                continue
+            speedup = ratio(found.get(base), c)
+            cells.append(step_cell(c) + ("" if speedup is None else f", {speedup:.2f}×, {pct(speedup / n)}"))
+        rows.append([label] + cells)
+    return lines + table(head, rows) + load_line([j])
+
+
+def findings(meta, runs, cores):
+    """What the numbers say, in sentences computed from them, so the prose cannot disagree."""
+    out = []
+
+    def faster(name_a, a, name_b, b, where):
+        x = ratio(a, b)
+        if x is None:
+            return
+        if abs(x - 1) < 0.03:
+            out.append(f"{where}: {name_a} and {name_b} take the same time (ratio {x:.2f}).")
+        elif x < 1:
+            out.append(f"{where}: {name_a} is faster than {name_b}: {x:.2f}× its step time.")
+        else:
+            out.append(f"{where}: {name_b} is faster than {name_a}: {name_a} takes {x:.2f}× its step time.")
+
+    for n in (2, 4):
+        for env in ({}, {"MPIR_CVAR_ASYNC_PROGRESS": "1"}):
+            j = job(runs, "dp", n, env)
+            if not (j and j["result"]):
+                continue
+            where = f"Data parallelism, N = {ranks_label(n, cores)}" + "".join(f", {k}={v}" for k, v in env.items())
+            peer, floor, bare = case(j, variant="ddp"), case(j, kind="floor"), case(j, kind="limit", variant="mpi")
+            for variant in ("default", "small", "no_overlap"):
+                c = case(j, variant=variant)
+                if ok(c) and not env:
+                    faster(c["label"], c, "PyTorch DDP (gloo)", peer, where)
+            blocking, small = case(j, variant="no_overlap"), case(j, variant="small")
+            if ok(blocking) and ok(small) and ok(bare):
+                kept, steps = ratio(small, blocking, "comm_s"), ratio(small, blocking)
+                out.append(f"{where}: the exchange on the critical path, by the script's clock, is "
+                           f"{ms(blocking['result']['comm_s'])} ms with one blocking allreduce "
+                           f"({blocking['result']['comm_s'] / bare['result']['step_time_s']:.1f}× a bare "
+                           f"MPI Allreduce of the same bytes, {ms(bare['result']['step_time_s'])} ms) and "
+                           f"{ms(small['result']['comm_s'])} ms with {plural(small['result']['buckets'], 'bucket')} "
+                           f"overlapped ({f'{pct(kept)} of it stays exposed' if kept < 1 else 'none of it hidden'}"
+                           f", paired by round); the whole "
+                           f"step with overlap takes {steps:.2f}× the step without.")
+            if not env:
+                faster("the bare MPI Allreduce", bare, "the bare gloo allreduce",
+                       case(j, kind="limit", variant="gloo"), where)
+            plain = job(runs, "dp", n)
+            if env and ok(floor) and ok(case(plain, kind="floor")):
+                out.append(f"{where}: compute alone takes {ms(floor['result']['step_time_s'])} ms per step "
+                           f"against {ms(case(plain, kind='floor')['result']['step_time_s'])} ms in the job "
+                           "without it (two jobs, so not a paired ratio): the progress threads poll "
+                           f"and take the {cores} cores from the computation.")
+    for n in (2, 4):
+        j = job(runs, "pp", n)
+        for s in ("gpipe", "1f1b"):
+            peer = case(j, kind="peer", schedule=s)
+            if ok(peer):
+                faster(f"pipeline_parallel.py --schedule {s}", case(j, kind="strategy", schedule=s,
+                                                                   m=peer["tags"]["m"]),
+                       peer["label"], peer, f"Pipeline, N = {ranks_label(n, cores)}")
+        j = job(runs, "tp", n)
+        faster("tensor_parallel.py", case(j, kind="strategy"), "torch.distributed.tensor.parallel",
+               case(j, kind="peer"), f"Tensor parallelism, N = {ranks_label(n, cores)}")
+    j = max((r for r in runs if r["group"] == "scaling" and r["result"]), key=lambda r: r["ranks"], default=None)
+    for label in dict.fromkeys(c["label"] for c in (j["result"]["cases"] if j else [])):
+        one = {c["tags"]["threads"]: c for c in j["result"]["cases"] if c["label"] == label and c["tags"]["n"] == 1}
+        if len(one) == 2:
+            x = ratio(one[max(one)], one[min(one)])
+            if x is not None and x > 1.03:
+                out.append(f"Scaling, N = 1: {label} on {max(one)} threads takes {x:.2f}× its time on one "
+                           "thread: with the cores shared, torch's threads wait for each other.")
+    return ["## Findings (computed from the tables above)", ""] + [f"- {line}" for line in out] + [""]
+
+
+def render(meta, runs):
+    cores = meta["machine"]["cores"]
+    lines = header(meta, runs)
+    for section in (data_parallel, pipeline, tensor_parallel, scaling, findings):
+        lines += section(meta, runs, cores)
+    return "\n".join(lines)

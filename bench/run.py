@@ -1,0 +1,186 @@
+"""Benchmark every strategy against its peers and the machine's limit; print and save the table.
+
+    python bench/run.py              # the full table, under 10 minutes on 2 CPU cores
+    python bench/run.py --quick      # a smoke test in about a minute (2 ranks, one round)
+    python bench/run.py --gpu        # every strategy on --device cuda with --check, one GPU
+
+Each measurement is one `mpirun -np N python bench/worker.py GROUP` job, started from this plain
+process with the MPI environment removed and a time limit, so that it runs as a user's job would
+and a hung job cannot hang the benchmark. Inside a job the strategy scripts and their peers take
+turns, round after round, so that every ratio is taken between runs on the same ranks at the
+same time. The table goes to standard output and to bench/results.md, the raw numbers to
+bench/results.json.
+"""
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(HERE))
+from harness import clean_env  # noqa: E402  (the tests' rule for a clean MPI environment)
+import report  # noqa: E402
+
+BUDGET = {"full": 570, "quick": 150, "gpu": 280}  # seconds: no job runs past them
+MIN_JOB_SECONDS = 20
+STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_parallel")
+GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_parallel"),
+               "tp": ("tensor_parallel",), "scaling": STRATEGIES}
+
+
+Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
+
+
+def plan(mode):
+    """The jobs of a mode. seconds: the job starts no new round past it (at least one round
+    runs), so that on a busy machine the run keeps to its budget with fewer rounds; timeout: the
+    job is killed past it."""
+    if mode == "quick":
+        flags = ["--rounds", "1", "--steps", "5", "--collective-reps", "20", "--micro-batches", "2,8"]
+        return [Job(("dp", "pp", "tp", "scaling"), 2, flags, {}, 60, 150)]
+    if mode == "gpu":  # host-staged MPI; peers apart, so that one failing cannot take a strategy's rows
+        flags = ["--rounds", "1", "--steps", "10", "--device", "cuda", "--micro-batches", "2,4,8"]
+        staged = {"MPI_CUDA_AWARE": 0}
+        return ([Job(("scaling",), 2, flags + ["--check"], staged, 60, 120)]
+                + [Job((g,), 2, flags + ["--cases", "strategies", "--check"], staged, 60, 120)
+                   for g in ("dp", "pp", "tp")]
+                + [Job(("dp", "pp", "tp"), 2, flags + ["--cases", "peers"], staged, 60, 120)])
+    jobs = [Job(("scaling",), 4, ["--rounds", "3", "--steps", "5"], {}, 60, 300)]
+    for n, more in ((2, 0), (4, 5)):  # 4 ranks on 2 cores run slower: a little more time
+        jobs += [Job(("dp",), n, ["--rounds", "6", "--steps", "12"], {}, 40 + more, 240),
+                 Job(("pp",), n, ["--rounds", "4", "--steps", "6", "--micro-batches", "2,4,8"], {},
+                     60 + 2 * more, 300),
+                 Job(("tp",), n, ["--rounds", "4", "--steps", "8"], {}, 30 + more, 240)]
+    # MPICH's progress thread moves non-blocking collectives on while backward computes.
+    jobs.append(Job(("dp",), 2, ["--rounds", "6", "--steps", "12", "--without-gloo"],
+                    {"MPIR_CVAR_ASYNC_PROGRESS": 1}, 35, 240))
+    return jobs
+
+
+def launch(script, ranks, args, env, timeout):
+    """mpirun -np RANKS python SCRIPT ARGS with the MPI environment removed, killed as a whole
+    (mpirun, its proxies and the ranks) after `timeout` seconds. Returns (stdout, error)."""
+    cmd = ["mpirun", "-np", str(ranks), sys.executable, str(script), *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None, f"timed out after {timeout:.0f} s"
+    if proc.returncode != 0:
+        lines = [line for line in err.splitlines() if line.strip()]
+        return None, f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no message'}"
+    return out, None
+
+
+def merge(runs):
+    """One entry per group, world size and environment: the cases of jobs split apart, joined."""
+    merged = {}
+    for run in runs:
+        key = (run["group"], run["ranks"], tuple(sorted(run["env"].items())))
+        if key not in merged:
+            merged[key] = run
+        elif run["result"]:
+            first = merged[key]
+            if first["result"]:
+                first["result"]["cases"] += run["result"]["cases"]
+            else:
+                first["result"] = run["result"]
+            first["error"] = first["error"] or run["error"]
+        else:
+            merged[key]["error"] = merged[key]["error"] or run["error"]
+    return list(merged.values())
+
+
+def present(name):
+    """Is the strategy file in this checkout? (Benchmarks run on what the repository holds.)"""
+    return (ROOT / f"{name}.py").is_file()
+
+
+def load_average():
+    """The 1-minute load average: how busy the (shared) machine was around a job."""
+    return round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None
+
+
+def machine():
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor()) if os.path.exists("/proc/cpuinfo") \
+        else platform.processor()
+    return {"cpu": cpu, "cores": os.cpu_count(), "load": load_average(), "python": platform.python_version(),
+            "platform": platform.platform(terse=True)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smoke test: 2 ranks, one short round")
+    mode.add_argument("--gpu", action="store_true", help="--device cuda, with --check, at 1 and 2 ranks")
+    p.add_argument("--out", default=None, help="markdown file (default: bench/results[-quick|-gpu].md)")
+    p.add_argument("--from-json", metavar="FILE", help="measure nothing: the table of a saved results.json")
+    args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        print(report.render(saved["meta"], saved["runs"]))
+        return 0
+    name = "quick" if args.quick else "gpu" if args.gpu else "full"
+    out = Path(args.out) if args.out else HERE / f"results{'' if name == 'full' else '-' + name}.md"
+
+    import torch  # the versions for the header, from the interpreter the jobs run with
+    start = time.perf_counter()
+    meta = {"mode": name, "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
+            "command": "python bench/run.py" + ("" if name == "full" else f" --{name}"),
+            "torch": torch.__version__, "machine": machine(),
+            "missing": [s for s in STRATEGIES if not present(s)]}
+    runs = []
+    for job in plan(name):
+        groups = [g for g in job.groups if any(present(s) for s in GROUP_NEEDS[g])]
+        if not groups:
+            continue
+        label = f"{' '.join(groups)} -np {job.ranks}" + "".join(f" {k}={v}" for k, v in job.env.items())
+        print(f"[{time.perf_counter() - start:5.0f} s] {label} ...", file=sys.stderr, flush=True)
+        began, load = time.perf_counter(), load_average()
+        left = BUDGET[name] - (began - start)
+        if left < MIN_JOB_SECONDS:
+            stdout, error = None, f"not run: the {BUDGET[name]} s budget of the whole run was spent"
+        else:  # rounds stop at half of what is left, so that the last round can end in time
+            seconds = min(job.seconds, left / 2)
+            stdout, error = launch(HERE / "worker.py", job.ranks,
+                                   [*groups, *job.flags, "--seconds", f"{seconds:.0f}"], job.env,
+                                   min(job.timeout, left))
+        result = None
+        if stdout is not None:
+            try:
+                result = json.loads(stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                error = "no JSON on the last line of the job's output"
+        if error:
+            print(f"         {label}: {error}", file=sys.stderr, flush=True)
+        for group in groups:  # one entry per group, as the report reads them
+            layout = {k: v for k, v in (result or {}).items() if k != "groups"}
+            runs.append({"group": group, "ranks": job.ranks, "env": {k: str(v) for k, v in job.env.items()},
+                         "result": {**layout, **result["groups"][group]} if result else None,
+                         "error": error, "seconds": time.perf_counter() - began,
+                         "load": [load, load_average()]})
+    meta["seconds"] = time.perf_counter() - start
+    runs = merge(runs)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
+    table = report.render(meta, runs)
+    print(table)
+    out.write_text(table)
+    print(f"written: {out} and {out.with_suffix('.json')} ({meta['seconds']:.0f} s)", file=sys.stderr)
+    return 0 if all(r["error"] is None for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

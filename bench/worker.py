@@ -1,0 +1,493 @@
+"""The measurements of one MPI job: `mpirun -np N python bench/worker.py GROUP [flags]`.
+
+bench/run.py launches this once per group and world size; it is not meant to be started by hand
+(but can be, to look at one group). Each group holds cases: a strategy script run through its own
+`main()` with `--json`, and the peers it is compared with (PyTorch's own implementation on gloo,
+the bare collective). The cases take turns, one run of each per round, so that the machine's load
+drifts over all of them alike. Every number is the median over rounds of a median over the steps
+after the first, of the slowest rank, as the strategy scripts report theirs.
+
+Rank 0 prints one JSON object as the last line of standard output: the job's layout (world size,
+cores, threads, MPI library) and, per group, its network and batch ("config") and its "cases",
+each {"label", "tags", "result"}, where a result holds the strategy's --json keys (numbers as
+medians over rounds, the step times of every round in "step_time_s_rounds") or, for a case that
+cannot run here, {"error": "one line saying why"}.
+"""
+import argparse
+import collections
+import contextlib
+import datetime
+import importlib
+import inspect
+import io
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from mpi4py import MPI
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the strategy files, imported as modules
+GLOO_TIMEOUT = datetime.timedelta(seconds=120)  # a peer that hangs fails instead of waiting forever
+
+
+class CannotRun(Exception):
+    """A case that cannot run in this setting; the message is the table's one line of why."""
+
+
+# -----------------------------------------------------------------------------
+# Setup: threads as the strategies set them, and a gloo group with its rendezvous from MPI
+# -----------------------------------------------------------------------------
+def node_layout(comm):
+    """This rank's place among the ranks on its machine: (local rank, local ranks)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    layout = node.Get_rank(), node.Get_size()
+    node.Free()
+    return layout
+
+
+def init_gloo(comm):
+    """torch.distributed on gloo over the same ranks: rank 0's host and a free port, from MPI."""
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:  # a host that cannot resolve its own name: the job is on this machine
+                host = "127.0.0.1"
+            address = (host, s.getsockname()[1])
+    else:
+        address = None
+    host, port = comm.bcast(address, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), timeout=GLOO_TIMEOUT)
+
+
+def device_of(choice, local_rank):
+    """The strategies' rule: rank r on cuda:(local rank % GPUs), or the CPU."""
+    if choice == "cuda":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -----------------------------------------------------------------------------
+# Timing: the one loop every peer is timed with
+# -----------------------------------------------------------------------------
+def timed(comm, steps, step, device, warmup=1):
+    """Run step(i) for i < steps; the slowest rank's median time of the steps after warm-up."""
+    comm.Barrier()
+    times, results = [], []
+    for i in range(steps):
+        start = time.perf_counter()
+        results.append(step(i))
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return max(comm.allgather(statistics.median(times[warmup:] or times))), results
+
+
+Case = collections.namedtuple("Case", "label tags run")  # tags: what the report selects it by
+
+
+def strategy(module, *flags):
+    """Run a strategy file's main() in this process with --json; its JSON object (rank 0)."""
+    def run(ctx):
+        if not (ROOT / f"{module}.py").is_file():
+            raise CannotRun(f"{module}.py is not in this checkout yet")
+        out = io.StringIO()
+        argv = [*flags, "--steps", ctx.args.steps, "--device", ctx.args.device,
+                "--log-every", 10 ** 6, "--check" if ctx.args.check else "--no-check", "--json"]
+        with contextlib.redirect_stdout(out):
+            code = importlib.import_module(module).main([str(a) for a in argv], ctx.comm)
+        lines = out.getvalue().strip().splitlines()
+        try:
+            result = json.loads(lines[-1]) if ctx.comm.Get_rank() == 0 else {}
+        except (ValueError, IndexError):
+            result = None
+        if code == 1 and result is not None and ctx.args.check:  # ran, and the check failed
+            return {**result, "check_passed": False}
+        if code != 0 or result is None:
+            raise RuntimeError(f"{module}.py {' '.join(map(str, flags))} exited {code}"
+                               + (f": {lines[-1][:200]}" if lines else ""))
+        return {**result, "check_passed": True} if ctx.args.check else result
+    return run
+
+
+def defaults(module, world_size):
+    """A strategy file's default flags: the network and batch that its peers must use too."""
+    if not (ROOT / f"{module}.py").is_file():
+        raise CannotRun(f"{module}.py is not in this checkout yet")
+    return importlib.import_module(module).parse_args([], world_size)
+
+
+# -----------------------------------------------------------------------------
+# Data parallelism: data_parallel.py, PyTorch DDP on gloo, and the bare allreduce
+# -----------------------------------------------------------------------------
+def lenet_training(ctx, wrap):
+    """data_parallel.py's default training (LeNet, SGD, this rank's slice of each global batch)
+    with the model wrapped by wrap(model); its step time and the losses of the global batch."""
+    dp = importlib.import_module("data_parallel")
+    a, comm, device = defaults("data_parallel", ctx.comm.Get_size()), ctx.comm, ctx.device
+    model = wrap(dp.build_model(a.seed, device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+
+    def step(i):
+        images, labels = dp.make_batch(a.seed, i, a.batch_size)
+        x, y = dp.slice_of(images.to(device), labels.to(device), comm.Get_rank(), comm.Get_size())
+        optimizer.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    seconds, losses = timed(comm, ctx.args.steps, step, device)
+    losses = [sum(ls) / comm.Get_size() for ls in zip(*comm.allgather(losses))]
+    return {"step_time_s": seconds, "losses": losses}
+
+
+def ddp(ctx):
+    """PyTorch DistributedDataParallel on gloo with its default 25 MB buckets, as
+    data_parallel.py's default, and no buffer broadcast: BatchNorm statistics stay per rank, as
+    in data_parallel.py (the replicas start from the same seed, so nothing needs syncing)."""
+    from torch.nn.parallel import DistributedDataParallel
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    per_rank_bn = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                   else {"broadcast_buffers": False})
+    return lenet_training(ctx, lambda m: DistributedDataParallel(m, device_ids=ids, **per_rank_bn))
+
+
+def no_exchange(ctx):
+    """The same training with no exchange at all, every rank at once: compute alone, in the
+    same process layout. The step time of a perfectly hidden exchange."""
+    return lenet_training(ctx, lambda m: m)
+
+
+def gradient_buffer():
+    """A float32 buffer of as many numbers as the LeNet has parameters: the gradient bytes G."""
+    dp = importlib.import_module("data_parallel")
+    return torch.zeros(sum(p.numel() for p in dp.build_model(0, torch.device("cpu")).parameters()))
+
+
+def mpi_allreduce(ctx):
+    """The limit: one blocking MPI Allreduce of the gradient bytes (host memory), back to back."""
+    buf = gradient_buffer()
+    seconds, _ = timed(ctx.comm, ctx.args.collective_reps,
+                       lambda i: ctx.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), ctx.device, warmup=5)
+    return {"step_time_s": seconds, "bytes": buf.numel() * buf.element_size()}
+
+
+def gloo_allreduce(ctx):
+    """The same bytes through gloo's allreduce: the limit of DDP's transport."""
+    buf = gradient_buffer()
+    seconds, _ = timed(ctx.comm, ctx.args.collective_reps, lambda i: dist.all_reduce(buf),
+                       ctx.device, warmup=5)
+    return {"step_time_s": seconds, "bytes": buf.numel() * buf.element_size()}
+
+
+def data_parallel_cases(ctx):
+    small = ctx.args.small_bucket_mb
+    dp = "data_parallel"
+    return [
+        Case("data_parallel.py", {"kind": "strategy", "strategy": dp, "variant": "default", "scaling": True},
+             strategy(dp)),
+        Case(f"data_parallel.py --bucket-mb {small:g}", {"kind": "strategy", "strategy": dp, "variant": "small"},
+             strategy(dp, "--bucket-mb", small)),
+        Case("data_parallel.py --no-overlap", {"kind": "strategy", "strategy": dp, "variant": "no_overlap"},
+             strategy(dp, "--no-overlap")),
+        Case("PyTorch DDP (gloo)", {"kind": "peer", "variant": "ddp", "gloo": True}, ddp),
+        Case("no exchange (compute alone)", {"kind": "floor"}, no_exchange),
+        Case("bare MPI Allreduce of the gradients", {"kind": "limit", "variant": "mpi"}, mpi_allreduce),
+        Case("bare gloo allreduce of the gradients", {"kind": "limit", "variant": "gloo", "gloo": True},
+             gloo_allreduce),
+    ]
+
+
+# -----------------------------------------------------------------------------
+# Pipeline and model parallelism: both schedules, a range of M; torch.distributed.pipelining
+# -----------------------------------------------------------------------------
+def torch_pipeline(schedule, m):
+    """torch.distributed.pipelining's schedule on gloo, pipeline_parallel.py's stages and batch."""
+    def run(ctx):
+        from torch.distributed import pipelining
+        pp = importlib.import_module("pipeline_parallel")
+        a, comm, device = defaults("pipeline_parallel", ctx.comm.Get_size()), ctx.comm, ctx.device
+        rank, n = comm.Get_rank(), comm.Get_size()
+        if ctx.device.type == "cuda":
+            raise CannotRun("gloo sends no CUDA tensors point to point, and NCCL refuses two ranks "
+                            "on one GPU")
+        stage = pp.stage_of(pp.build_model(a, device), rank, n)
+        schedule_class = getattr(pipelining, schedule)
+        runner = schedule_class(pipelining.PipelineStage(stage, rank, n, device), n_microbatches=m,
+                                loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+        optimizer = torch.optim.SGD(stage.parameters(), lr=a.lr, momentum=0.9)
+
+        def step(i):
+            x, y = (t.to(device) for t in pp.make_batch(a.seed, i, a.batch_size, a.seq_len))
+            optimizer.zero_grad(set_to_none=False)
+            losses = []
+            inputs = (x,) if rank == 0 else ()
+            targets = {"target": y, "losses": losses} if rank == n - 1 else {}
+            runner.step(*inputs, **targets)
+            optimizer.step()
+            return sum(loss.item() for loss in losses) / m
+
+        seconds, losses = timed(comm, ctx.args.steps, step, device)
+        return {"step_time_s": seconds, "losses": comm.bcast(losses, root=n - 1)}
+    return run
+
+
+def pipeline_cases(ctx):
+    ms, pp, torch_m = ctx.args.micro_batches, "pipeline_parallel", max(ctx.args.micro_batches)
+    cases = [Case(f"pipeline_parallel.py --schedule {s} --micro-batches {m}",
+                  {"kind": "strategy", "strategy": pp, "schedule": s, "m": m,
+                   "scaling": s == "1f1b" and m == torch_m},
+                  strategy(pp, "--schedule", s, "--micro-batches", m))
+             for m in ms for s in ("gpipe", "1f1b")]
+    cases.append(Case("model_parallel.py", {"kind": "strategy", "strategy": "model_parallel", "scaling": True},
+                      strategy("model_parallel")))
+    for s, name in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
+        cases.append(Case(f"torch.distributed.pipelining {name}, M = {torch_m}",
+                          {"kind": "peer", "schedule": s, "m": torch_m, "gloo": True},
+                          torch_pipeline(name, torch_m)))
+    return cases
+
+
+# -----------------------------------------------------------------------------
+# Tensor parallelism: tensor_parallel.py and torch.distributed.tensor.parallel
+# -----------------------------------------------------------------------------
+def torch_tensor_parallel(ctx):
+    """tensor_parallel.py's network and batch under PyTorch's tensor parallelism on gloo:
+    ColwiseParallel for qkv and fc1, RowwiseParallel for proj and fc2, the vocabulary split in
+    the embedding (RowwiseParallel) and the head (ColwiseParallel with loss_parallel), as
+    tensor_parallel.py splits them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                   parallelize_module)
+    tp = importlib.import_module("tensor_parallel")
+    comm, device, n = ctx.comm, ctx.device, ctx.comm.Get_size()
+    a = defaults("tensor_parallel", n)
+    if a.heads % n or tp.VOCAB % n:
+        raise CannotRun(f"{a.heads} heads and {tp.VOCAB} tokens do not split into {n} equal parts")
+    model = tp.build_model(a, device)
+    # The fused qkv weight holds all queries, then all keys, then all values. A contiguous 1/N of
+    # its rows (what ColwiseParallel gives a rank) must hold the queries, keys and values of the
+    # same heads: reorder the rows, the same network written in another order.
+    order = torch.arange(3 * a.hidden).view(3, n, a.hidden // n).transpose(0, 1).reshape(-1)
+    plan = {"tokens": RowwiseParallel(input_layouts=Replicate()),
+            "out": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    with torch.no_grad():
+        for i, block in enumerate(model.blocks):
+            block.qkv.weight.copy_(block.qkv.weight[order.to(device)])
+            block.qkv.bias.copy_(block.qkv.bias[order.to(device)])
+            block.heads = a.heads // n  # the heads of this rank's slice
+            plan.update({f"blocks.{i}.qkv": ColwiseParallel(), f"blocks.{i}.proj": RowwiseParallel(),
+                         f"blocks.{i}.fc1": ColwiseParallel(), f"blocks.{i}.fc2": RowwiseParallel()})
+    model = parallelize_module(model, init_device_mesh(device.type, (n,)), plan)
+    optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+
+    def step(i):
+        x, y = (t.to(device) for t in tp.make_batch(a.seed, i, a.batch_size, a.seq_len))
+        optimizer.zero_grad(set_to_none=False)
+        with loss_parallel():
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+        optimizer.step()
+        return loss.full_tensor().item()
+
+    seconds, losses = timed(comm, ctx.args.steps, step, device)
+    return {"step_time_s": seconds, "losses": losses}
+
+
+def tensor_cases(ctx):
+    return [Case("tensor_parallel.py", {"kind": "strategy", "strategy": "tensor_parallel", "scaling": True},
+                 strategy("tensor_parallel", "--sample-chars", 0)),
+            Case("torch.distributed.tensor.parallel", {"kind": "peer", "gloo": True},
+                 torch_tensor_parallel)]
+
+
+# -----------------------------------------------------------------------------
+# Scaling: each strategy at N = 1, 2, 4 in one job, so that the sizes take turns too
+# -----------------------------------------------------------------------------
+def wait_quietly(comm):
+    """A barrier that sleeps between polls: the ranks left out leave the cores to the others."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.01)
+
+
+def on_first(n, run):
+    """A case run on the first n ranks of the job, as `mpirun -np n` would (the strategies set
+    their threads from the size of the communicator they are given); the others sleep."""
+    def case(ctx):
+        rank = ctx.comm.Get_rank()
+        sub = ctx.comm.Split(0 if rank < n else MPI.UNDEFINED, rank)
+        try:
+            if sub != MPI.COMM_NULL:
+                return run(argparse.Namespace(**{**vars(ctx), "comm": sub}))
+            return {}
+        finally:
+            if sub != MPI.COMM_NULL:
+                sub.Free()
+            wait_quietly(ctx.comm)
+    return case
+
+
+def one_thread(run):
+    """A case whose strategy runs with one torch thread, whatever it asks for: one rank on one
+    core, the baseline against which N ranks on N cores are compared."""
+    def case(ctx):
+        set_num_threads = torch.set_num_threads
+        torch.set_num_threads = lambda n: set_num_threads(1)
+        try:
+            return run(ctx)
+        finally:
+            torch.set_num_threads = set_num_threads
+            set_num_threads(max(1, (os.cpu_count() or 1) // node_layout(ctx.comm)[1]))
+    return case
+
+
+def scaling_cases(ctx):
+    """The scaling run of every strategy (tagged in its group) at every size up to the job's,
+    and at N = 1 also on one thread, where the scripts' rule would give it every core."""
+    runs = [c for group in ("dp", "pp", "tp") for c in GROUPS[group](ctx) if c.tags.get("scaling")]
+    cases = [Case(c.label, {**c.tags, "n": 1, "threads": 1}, on_first(1, one_thread(c.run))) for c in runs
+             if (os.cpu_count() or 1) > 1 and ctx.device.type == "cpu"]
+    return cases + [Case(c.label, {**c.tags, "n": n, "threads": max(1, (os.cpu_count() or 1) // n)},
+                         on_first(n, c.run))
+                    for n in (1, 2, 4) if n <= ctx.comm.Get_size() for c in runs]
+
+
+GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "scaling": scaling_cases}
+CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel"}
+
+
+# -----------------------------------------------------------------------------
+# Rounds, and what rank 0 prints
+# -----------------------------------------------------------------------------
+def run_case(ctx, fn):
+    """fn(ctx) on every rank; a failure on every rank becomes the case's error line."""
+    error = None
+    try:
+        result = fn(ctx)
+    except CannotRun as e:
+        error, result = str(e), None
+    except Exception as e:  # one line for the table; the traceback for whoever reads stderr
+        traceback.print_exc(file=sys.stderr)
+        error, result = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", None
+    errors = [e for e in ctx.comm.allgather(error) if e]
+    return {"error": errors[0]} if errors else result
+
+
+def combine(rounds):
+    """One result from the rounds: numbers are medians over rounds, the rest from the first."""
+    first = dict(rounds[0])
+    for key, value in first.items():
+        if isinstance(value, float):
+            first[key] = statistics.median(r[key] for r in rounds)
+    for key in ("step_time_s", "comm_s"):  # for ratios paired round by round
+        if key in first:
+            first[f"{key}_rounds"] = [r[key] for r in rounds]
+    return first
+
+
+def config(group, world_size):
+    """The network and batch of a group, as its strategy file's defaults set them."""
+    try:
+        a = defaults(CONFIG_OF[group], world_size)
+    except (CannotRun, KeyError):
+        return None
+    return {k: getattr(a, k) for k in ("batch_size", "layers", "hidden", "heads", "seq_len", "lr", "seed")
+            if hasattr(a, k)}
+
+
+def wanted(tags, args):
+    if args.without_gloo and tags.get("gloo"):
+        return False
+    return {"all": True, "strategies": tags["kind"] == "strategy", "peers": tags["kind"] != "strategy"}[args.cases]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("groups", nargs="+", choices=sorted(GROUPS), metavar="GROUP",
+                   help=f"one or more of {', '.join(sorted(GROUPS))}")
+    p.add_argument("--rounds", type=int, default=3, help="at most this many runs of every case, taking turns")
+    p.add_argument("--steps", type=int, default=20, help="steps per run")
+    p.add_argument("--collective-reps", type=int, default=60, help="repetitions of a bare collective")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--check", action="store_true", help="run the strategies with --check")
+    p.add_argument("--cases", choices=("all", "strategies", "peers"), default="all",
+                   help="strategies: the scripts alone; peers: all but the scripts")
+    p.add_argument("--seconds", type=float, default=float("inf"),
+                   help="start no new round after this many seconds (at least one round runs)")
+    p.add_argument("--without-gloo", action="store_true", help="leave out the cases that use gloo")
+    p.add_argument("--micro-batches", default="2,4,8", help="values of M for the pipeline, e.g. 2,4,8")
+    p.add_argument("--small-bucket-mb", type=float, default=0.05, help="buckets small enough to overlap")
+    args = p.parse_args(argv)
+    args.micro_batches = [int(m) for m in args.micro_batches.split(",")]
+    return args
+
+
+def main(argv=None):
+    comm = MPI.COMM_WORLD
+    args = parse_args(argv)
+    local_rank, ranks_here = node_layout(comm)
+    if args.device == "cpu":  # as the strategies do: oversubscribed ranks must not thrash
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+    ctx = argparse.Namespace(comm=comm, args=args, device=device_of(args.device, local_rank))
+    if args.device == "cuda":
+        torch.cuda.set_device(ctx.device)
+    init_gloo(comm)
+    cases = [(group, c) for group in args.groups for c in GROUPS[group](ctx) if wanted(c.tags, args)]
+    rounds, failed, start = [[] for _ in cases], {}, time.perf_counter()
+    for r in range(args.rounds):
+        # Rank 0 decides for all whether one more round (as long as the last) fits the budget.
+        elapsed = time.perf_counter() - start
+        if r and not comm.bcast(elapsed * (r + 1) / r <= args.seconds, root=0):
+            break
+        for k in range(len(cases)):  # each round starts one case later: no case always goes first
+            i = (k + r) % len(cases)
+            if i not in failed:
+                result = run_case(ctx, cases[i][1].run)
+                if "error" in result:
+                    failed[i] = result
+                else:
+                    rounds[i].append(result)
+    dist.destroy_process_group()
+    if comm.Get_rank() == 0:
+        print(json.dumps({
+            "world_size": comm.Get_size(), "ranks_per_node": ranks_here, "cores": os.cpu_count(),
+            "torch_threads": max(1, (os.cpu_count() or 1) // ranks_here), "device": args.device,
+            "rounds": max(len(rs) for rs in rounds) if cases else 0,
+            "steps": args.steps, "check": args.check,
+            "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi_thread_multiple": MPI.Query_thread() == MPI.THREAD_MULTIPLE,
+            "groups": {group: {"config": config(group, comm.Get_size()), "cases": [
+                {"label": c.label, "tags": c.tags, "result": failed.get(i) or combine(rounds[i])}
+                for i, (g, c) in enumerate(cases) if g == group]} for group in args.groups}}),
+              flush=True)
+
+
+def abort_on_exception(kind, value, tb):
+    """An exception outside a case must end the whole job, not leave the others waiting."""
+    text = "".join(traceback.format_exception(kind, value, tb))
+    print(f"rank {MPI.COMM_WORLD.Get_rank()}: {text}", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    sys.excepthook = abort_on_exception
+    main()
