@@ -59,7 +59,7 @@ def plan(mode):
         jobs += [Job(("dp",), n, ["--rounds", "6", "--steps", "12"], {}, 40 + more, 240),
                  Job(("pp",), n, ["--rounds", "4", "--steps", "6", "--micro-batches", "2,4,8"], {},
                      60 + 2 * more, 300),
-                 Job(("tp",), n, ["--rounds", "4", "--steps", "8"], {}, 30 + more, 240)]
+                 Job(("tp",), n, ["--rounds", "4", "--steps", "6"], {}, 40 + more, 240)]
     # MPICH's progress thread moves non-blocking collectives on while backward computes.
     jobs.append(Job(("dp",), 2, ["--rounds", "6", "--steps", "12", "--without-gloo"],
                     {"MPIR_CVAR_ASYNC_PROGRESS": 1}, 35, 240))
