@@ -135,7 +135,9 @@ def header(meta, runs):
              f"`{meta['command']}` on {m['cpu']}, {m['cores']} cores, {meta['date']}; "
              f"load average {m['load']} when it started (a shared machine); "
              f"Python {m['python']}, torch {meta['torch']}, {done.get('mpi_library', 'MPI')}; "
-             f"{meta['seconds']:.0f} s in all.", "",
+             f"{meta['seconds']:.0f} s in all"
+             + "".join(f"; every job with {k}={v}" for k, v in meta.get("environment", {}).items())
+             + ".", "",
              "Each number: per step, the median over the steps after the first, of the slowest rank; "
              "then the median over rounds in which all cases of one job take turns (range over rounds "
              "in brackets). Ratios are taken round by round between cases of the same job, then the "
@@ -365,8 +367,8 @@ def findings(meta, runs, cores):
             if env and ok(floor) and ok(case(plain, kind="floor")):
                 out.append(f"{where}: compute alone takes {ms(floor['result']['step_time_s'])} ms per step "
                            f"against {ms(case(plain, kind='floor')['result']['step_time_s'])} ms in the job "
-                           "without it (two jobs, so not a paired ratio): the progress threads poll "
-                           f"and take the {cores} cores from the computation.")
+                           "without it: two jobs at two moments of a shared machine (see their load "
+                           "averages), so not a paired ratio.")
     for n in (2, 4):
         j = job(runs, "pp", n)
         for s in ("gpipe", "1f1b"):

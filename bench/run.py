@@ -31,6 +31,7 @@ from harness import clean_env  # noqa: E402  (the tests' rule for a clean MPI en
 import report  # noqa: E402
 
 BUDGET = {"full": 570, "quick": 150, "gpu": 280}  # seconds: no job runs past them
+MODE_ENV = {"gpu": {"MPI_CUDA_AWARE": 0}}  # for every job of a mode: on the GPU, MPI gets host copies
 MIN_JOB_SECONDS = 20
 STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_parallel")
 GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_parallel"),
@@ -47,13 +48,12 @@ def plan(mode):
     if mode == "quick":
         flags = ["--rounds", "1", "--steps", "5", "--collective-reps", "20", "--micro-batches", "2,8"]
         return [Job(("dp", "pp", "tp", "scaling"), 2, flags, {}, 60, 150)]
-    if mode == "gpu":  # host-staged MPI; peers apart, so that one failing cannot take a strategy's rows
+    if mode == "gpu":  # peers apart, so that one failing cannot take a strategy's rows with it
         flags = ["--rounds", "1", "--steps", "10", "--device", "cuda", "--micro-batches", "2,4,8"]
-        staged = {"MPI_CUDA_AWARE": 0}
-        return ([Job(("scaling",), 2, flags + ["--check"], staged, 60, 120)]
-                + [Job((g,), 2, flags + ["--cases", "strategies", "--check"], staged, 60, 120)
+        return ([Job(("scaling",), 2, flags + ["--check"], {}, 60, 120)]
+                + [Job((g,), 2, flags + ["--cases", "strategies", "--check"], {}, 60, 120)
                    for g in ("dp", "pp", "tp")]
-                + [Job(("dp", "pp", "tp"), 2, flags + ["--cases", "peers"], staged, 60, 120)])
+                + [Job(("dp", "pp", "tp"), 2, flags + ["--cases", "peers"], {}, 60, 120)])
     jobs = [Job(("scaling",), 4, ["--rounds", "3", "--steps", "5"], {}, 60, 300)]
     for n, more in ((2, 0), (4, 5)):  # 4 ranks on 2 cores run slower: a little more time
         jobs += [Job(("dp",), n, ["--rounds", "6", "--steps", "12"], {}, 40 + more, 240),
@@ -141,6 +141,7 @@ def main(argv=None):
     meta = {"mode": name, "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
             "command": "python bench/run.py" + ("" if name == "full" else f" --{name}"),
             "torch": torch.__version__, "machine": machine(),
+            "environment": {k: str(v) for k, v in MODE_ENV.get(name, {}).items()},
             "missing": [s for s in STRATEGIES if not present(s)]}
     runs = []
     for job in plan(name):
@@ -156,8 +157,8 @@ def main(argv=None):
         else:  # rounds stop at half of what is left, so that the last round can end in time
             seconds = min(job.seconds, left / 2)
             stdout, error = launch(HERE / "worker.py", job.ranks,
-                                   [*groups, *job.flags, "--seconds", f"{seconds:.0f}"], job.env,
-                                   min(job.timeout, left))
+                                   [*groups, *job.flags, "--seconds", f"{seconds:.0f}"],
+                                   {**MODE_ENV.get(name, {}), **job.env}, min(job.timeout, left))
         result = None
         if stdout is not None:
             try:
