@@ -14,7 +14,11 @@ from harness import clean_env, error_lines, last_json, launch
 # Each script with small, quick arguments: (flags, world size, does it shard its checkpoint?)
 SCRIPTS = {
     "data_parallel.py": (["--batch-size", "24"], 4, False),
+    "pipeline_parallel.py": (["--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
+                              "--micro-batches", "4"], 4, True),
+    "model_parallel.py": (["--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4"], 4, True),
 }
+SHARDED = [script for script, (_, _, sharded) in SCRIPTS.items() if sharded]
 STEPS, EVERY = 12, 4  # checkpoints after steps 4, 8 and 12
 
 
@@ -112,6 +116,22 @@ def test_checkpoint_of_another_strategy_is_refused(script, tmp_path):
     content["strategy"] = "some_other_strategy"
     manifest.write_text(json.dumps(content))
     refused(run(script, tmp_path, "--resume"), "was written by some_other_strategy")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", SHARDED)
+def test_checkpoint_of_another_model_is_refused(script, tmp_path):
+    """A shard fits only the model that wrote it: here one block more."""
+    assert run(script, tmp_path, "--layers", 4).returncode == 0
+    refused(run(script, tmp_path, "--resume", "--layers", 5), "holds a model")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("flags, words", [(["--resume"], "--resume needs --save DIR"),
+                                          (["--save-every", "-1"], "--save-every must be 0 or more")])
+def test_bad_checkpoint_flags_are_refused(script, flags, words):
+    refused(launch(script, SCRIPTS[script][1], *flags, timeout=60), words)
 
 
 @pytest.mark.e2e
