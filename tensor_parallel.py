@@ -48,10 +48,12 @@ Run:  mpirun -np 4 python tensor_parallel.py            (add --help for the flag
 import argparse
 import collections
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -92,17 +94,21 @@ class Parser(argparse.ArgumentParser):
 
 def parse_args(argv, world_size):
     p = Parser(description="Tensor parallelism over MPI (Megatron-LM): a small GPT on Python's own source.")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16,
                    help="global batch: samples per optimizer step, whatever the world size")
     p.add_argument("--lr", type=float, default=0.1, help="learning rate (SGD, momentum 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--log-every", type=int, default=25, help="rank 0 prints progress every N steps")
+    p.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every N steps")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare with single-process training (default: on)")
     p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N steps as well as at the end (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
     # The network, the same in every strategy file.
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--hidden", type=int, default=64, help="hidden size")
@@ -117,10 +123,13 @@ def parse_args(argv, world_size):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
                               f"got {getattr(args, name)}")
-    if args.sample_chars < 0:
-        raise ConfigError(f"--sample-chars must be 0 or more, got {args.sample_chars}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ConfigError(f"--lr must be a positive number, got {args.lr}")
+    for name in ("sample_chars", "save_every"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
     if args.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -173,13 +182,14 @@ def mpi_library():
     return MPI.Get_library_version().splitlines()[0].strip()
 
 
-def inject_failure(comm, step):
-    """Testing aid: FAIL_AT=RANK:STEP:raise|kill makes one rank fail at the start of a step."""
+def inject_failure(comm, step, during="step"):
+    """Testing aid: FAIL_AT=RANK:STEP:raise|kill[:save] makes one rank raise or SIGKILL itself
+    at the start of a step, or with ':save' while writing the checkpoint of that step."""
     spec = os.environ.get("FAIL_AT")
     if not spec:
         return
-    rank, at, how = spec.split(":")
-    if int(rank) == comm.Get_rank() and int(at) == step:
+    rank, at, how, *where = spec.split(":")
+    if int(rank) == comm.Get_rank() and int(at) == step and (where or ["step"])[0] == during:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure (FAIL_AT={spec})")
@@ -556,10 +566,11 @@ def setup(args, exchange, device):
     return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), full_params
 
 
-def train(args, comm, device, exchange, model, optimizer, log=False):
-    """args.steps tensor-parallel steps; returns the losses and per-step timings."""
-    timeline, losses, records = exchange.timeline, [], []
-    for step in range(args.steps):
+def train(args, comm, device, exchange, model, optimizer, done=(), config=None, log=False):
+    """The steps after the `done` ones (their losses, from a checkpoint), saving checkpoints of
+    `config`'s model with --save; returns the losses of all steps and the new steps' timings."""
+    timeline, losses, records = exchange.timeline, list(done), []
+    for step in range(len(done), args.steps):
         inject_failure(comm, step)
         start = time.perf_counter()
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
@@ -572,6 +583,9 @@ def train(args, comm, device, exchange, model, optimizer, log=False):
             say(comm, f"step {step + 1}/{args.steps} | loss {losses[-1]:.4f} | "
                       f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
                       f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            shard = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "losses": losses}
+            save_checkpoint(comm, args.save, step + 1, shard, config)
     return losses, records
 
 
@@ -597,6 +611,95 @@ def generate(model, exchange, args, device):
 
 
 # -----------------------------------------------------------------------------
+# Checkpoints: a folder appears whole or not at all
+# -----------------------------------------------------------------------------
+def checkpoints(root):
+    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
+    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
+    return [os.path.join(root, n) for n in names]
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_durably(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(comm, root, step, shard, config, keep=2):
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
+    manifest and renames the folder to step-N: a job killed before the rename leaves the
+    previous checkpoint as it was. The folder must be on a file system every rank sees."""
+    final = os.path.join(root, f"step-{step:06d}")
+    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.Barrier()
+    files = {}
+    if shard is not None:
+        name = f"rank-{comm.Get_rank()}.pt"
+        with open(os.path.join(tmp, name), "wb") as f:
+            torch.save(shard, f)
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = sha256(os.path.join(tmp, name))
+    inject_failure(comm, step, "save")
+    every = comm.gather(files, root=0)
+    if comm.Get_rank() == 0:
+        manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                    "step": step, "files": {k: v for d in every for k, v in d.items()}}
+        write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # atomic: the checkpoint is now complete
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)  # make the rename itself durable
+        os.close(fd)
+        for old in checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    comm.Barrier()
+
+
+def load_checkpoint(comm, root, config, shard_name, same_world_size=True):
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
+    Any problem on any rank is a ConfigError on every rank."""
+    error = manifest = shard = None
+    try:
+        found = checkpoints(root)
+        if not found:
+            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
+                              f"start without --resume to create one")
+        path = found[-1]
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+        if manifest["strategy"] != STRATEGY:
+            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if same_world_size and manifest["world_size"] != comm.Get_size():
+            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
+                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
+        if manifest["config"] != config:
+            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
+        name = shard_name(manifest)
+        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
+        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except ConfigError as e:
+        error = str(e)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return manifest, shard
+
+
+# -----------------------------------------------------------------------------
 # Check against single-process training
 # -----------------------------------------------------------------------------
 def reference_training(args, device):
@@ -617,7 +720,7 @@ def reference_training(args, device):
 def check(args, device, losses, full):
     """Largest |difference| in losses and in final parameters (full: the gathered shards).
     Only float32 sums are reordered (row-parallel partial sums, the loss's reductions): measured
-    5e-7 to 7e-7 after the default 100 steps at N = 1 to 4, 2e-6 after 300; TOLERANCE is 2e-5."""
+    5e-7 to 7e-7 after 100 steps at N = 1 to 4, 2e-6 after 300; TOLERANCE is 2e-5."""
     ref_losses, ref_model = reference_training(args, device)
     diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     for name, p in ref_model.named_parameters():
@@ -678,6 +781,22 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
     model, optimizer, full_params = setup(args, exchange, device)
     L, B, T, h, padded = args.layers, args.batch_size, args.seq_len, args.hidden, padded_vocab(world_size)
+    config = {"model": "GPT", "layers": L, "hidden": h, "heads": args.heads, "seq_len": T,
+              "vocab": VOCAB, "padded_vocab": padded}  # what the shards' shapes depend on
+    done = []
+    if args.resume:
+        try:
+            manifest, shard = load_checkpoint(comm, args.save, config, lambda m: f"rank-{rank}.pt",
+                                              same_world_size=True)
+        except ConfigError as e:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
+        model.load_state_dict(shard["model"])
+        optimizer.load_state_dict(shard["optimizer"])
+        done = shard["losses"]
+        say(comm, f"resumed from {args.save} at step {manifest['step']} "
+                  f"(written by {manifest['world_size']} ranks)")
     mine = sum(p.numel() for p in model.parameters())
     transport = "n/a (CPU)" if device.type == "cpu" else (
         "direct (CUDA-aware MPI)" if cuda_aware else "staged through host memory")
@@ -692,9 +811,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         + (f", padded to {padded} (a multiple of {world_size}, as Megatron pads; the padding is "
            f"masked out of the softmax)" if padded != VOCAB else ""))
 
-    losses, records = train(args, comm, device, exchange, model, optimizer, log=True)
-    calls = {k: v / args.steps for k, v in exchange.calls.items()}
-    volume = {k: v / args.steps for k, v in exchange.bytes.items()}
+    losses, records = train(args, comm, device, exchange, model, optimizer, done, config, log=True)
+    ran = max(1, args.steps - len(done))  # per-step counts: the training exchanges only
+    calls = {k: v / ran for k, v in exchange.calls.items()}
+    volume = {k: v / ran for k, v in exchange.bytes.items()}
     if len(set(comm.allgather(replicated_checksum(model)))) != 1:
         raise RuntimeError("replicated parameters (LayerNorm, positions, biases) differ across ranks")
     sample = generate(model, exchange, args, device) if args.sample_chars else None

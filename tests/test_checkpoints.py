@@ -14,6 +14,8 @@ from harness import clean_env, error_lines, last_json, launch
 # Each script with small, quick arguments: (flags, world size, does it shard its checkpoint?)
 SCRIPTS = {
     "data_parallel.py": (["--batch-size", "24"], 4, False),
+    "tensor_parallel.py": (["--hidden", "16", "--heads", "4", "--seq-len", "16", "--batch-size", "4",
+                            "--sample-chars", "8"], 4, True),
     "pipeline_parallel.py": (["--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
                               "--micro-batches", "4"], 4, True),
     "model_parallel.py": (["--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4"], 4, True),
