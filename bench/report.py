@@ -64,6 +64,15 @@ def loss_diff(a, b):
 # -----------------------------------------------------------------------------
 # Formatting
 # -----------------------------------------------------------------------------
+def ratio_cell(a, b):
+    """The paired ratio, with its lowest and highest round."""
+    x = ratio(a, b)
+    if x is None:
+        return "–"
+    each = paired(a, b, lambda p, q: p / q)
+    return times(x) + (f" ({min(each):.2f}–{max(each):.2f})" if len(each) > 1 and a is not b else "")
+
+
 def ms(seconds):
     return "–" if seconds is None else f"{seconds * 1e3:.1f}"
 
@@ -178,7 +187,7 @@ def data_parallel(meta, runs, cores):
               "the limit. *Step − compute alone*: the step time minus that of the same training with "
               "no exchange at all, every rank computing at once (so the cores are shared as in the "
               "real run), with the lowest and highest round.", ""]
-    head = ["N", "run", "step ms (range)", "× DDP", "exchange in MPI ms", "× bare",
+    head = ["N", "run", "step ms (range)", "× DDP (range)", "exchange in MPI ms", "× bare",
             "step − compute alone ms (range)", "loss Δ vs DDP", "check"]
     rows = []
     for n, env, j in jobs:
@@ -201,7 +210,7 @@ def data_parallel(meta, runs, cores):
                                               if spread and spread[0] != spread[1] else "") \
                 if spread else "–"
             comm = r.get("comm_s") if kind == "strategy" else None
-            rows.append([where, label, step_cell(c), times(ratio(c, peer)), ms(comm),
+            rows.append([where, label, step_cell(c), ratio_cell(c, peer), ms(comm),
                          times(comm / bare_s if comm is not None and bare_s else None, 1), exposed,
                          sci(loss_diff(c, peer)) if kind == "strategy" else "–",
                          check_cell(c) if kind == "strategy" else "–"])
@@ -225,7 +234,7 @@ def pipeline(meta, runs, cores):
               "*Peak activations*: micro-batches held at once per rank, and the bytes autograd saved "
               "for them.", ""]
     head = ["N", "run", "M", "step ms (range)", "bubble measured", "theory", "peak held per rank",
-            "peak MB per rank", "× torch", "check"]
+            "peak MB per rank", "× torch (range)", "check"]
     rows = []
     for n, j in jobs:
         where = ranks_label(n, cores)
@@ -252,7 +261,7 @@ def pipeline(meta, runs, cores):
                          pct(r.get("bubble_fraction_theory", (n - 1) / (m + n - 1))),
                          per_rank(r.get("peak_activations")),
                          per_rank(r.get("peak_activation_bytes"), lambda b: f"{b / 1e6:.2f}"),
-                         times(ratio(c, peer)), check_cell(c)])
+                         ratio_cell(c, peer), check_cell(c)])
     return lines + table(head, rows) + load_line([j for _, j in jobs])
 
 
@@ -271,7 +280,7 @@ def tensor_parallel(meta, runs, cores):
               f"4L + 5 = {calls} allreduces, (4L + 2) × 4BTh + 3 × 4BT = {volume:,} bytes from each "
               "rank. The torch peer splits the same layers the same way (Colwise: qkv, fc1, head; "
               "Rowwise: proj, fc2, embedding; loss_parallel).", ""]
-    head = ["N", "run", "step ms (range)", "× torch", "allreduces/step (formula)",
+    head = ["N", "run", "step ms (range)", "× torch (range)", "allreduces/step (formula)",
             "bytes/step (formula)", "loss Δ vs tensor_parallel.py", "check"]
     rows = []
     for n, j in jobs:
@@ -282,7 +291,7 @@ def tensor_parallel(meta, runs, cores):
                 rows.append([where] + failed_row(c, len(head) - 1))
                 continue
             r, mine = c["result"], c["tags"]["kind"] == "strategy"
-            rows.append([where, c["label"], step_cell(c), times(ratio(c, peer)),
+            rows.append([where, c["label"], step_cell(c), ratio_cell(c, peer),
                          f"{r['collectives_per_step']:g} ({calls})" if mine else "–",
                          f"{r['comm_bytes_per_step']:,.0f} ({volume:,})" if mine else "–",
                          "–" if mine else sci(loss_diff(c, ours)), check_cell(c) if mine else "–"])
@@ -328,15 +337,24 @@ def findings(meta, runs, cores):
     out = []
 
     def faster(name_a, a, name_b, b, where):
+        """A verdict only where the rounds agree: in at least 3 of 4 rounds, one is faster."""
         x = ratio(a, b)
         if x is None:
             return
+        each = paired(a, b, lambda p, q: p / q)
+        agree = max(sum(r < 1 for r in each), sum(r > 1 for r in each)) / len(each)
+        rounds_note = (f"median of {len(each)} rounds, {min(each):.2f} to {max(each):.2f}"
+                       if len(each) > 1 else "one round: indicative only")
         if abs(x - 1) < 0.03:
-            out.append(f"{where}: {name_a} and {name_b} take the same time (ratio {x:.2f}).")
+            out.append(f"{where}: {name_a} and {name_b} take the same time ({x:.2f}×; {rounds_note}).")
+        elif len(each) > 1 and agree < 0.75:
+            out.append(f"{where}: no clear winner between {name_a} and {name_b}: the rounds disagree "
+                       f"({x:.2f}×; {rounds_note}).")
         elif x < 1:
-            out.append(f"{where}: {name_a} is faster than {name_b}: {x:.2f}× its step time.")
+            out.append(f"{where}: {name_a} is faster than {name_b}: {x:.2f}× its step time ({rounds_note}).")
         else:
-            out.append(f"{where}: {name_b} is faster than {name_a}: {name_a} takes {x:.2f}× its step time.")
+            out.append(f"{where}: {name_b} is faster than {name_a}: {name_a} takes {x:.2f}× its step "
+                       f"time ({rounds_note}).")
 
     for n in (2, 4):
         for env in ({}, {"MPIR_CVAR_ASYNC_PROGRESS": "1"}):

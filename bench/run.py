@@ -54,12 +54,12 @@ def plan(mode):
                 + [Job((g,), 2, flags + ["--cases", "strategies", "--check"], {}, 60, 120)
                    for g in ("dp", "pp", "tp")]
                 + [Job(("dp", "pp", "tp"), 2, flags + ["--cases", "peers"], {}, 60, 120)])
-    jobs = [Job(("scaling",), 4, ["--rounds", "3", "--steps", "5"], {}, 60, 300)]
+    jobs = [Job(("scaling",), 4, ["--rounds", "3", "--steps", "5"], {}, 90, 300)]
     for n, more in ((2, 0), (4, 5)):  # 4 ranks on 2 cores run slower: a little more time
-        jobs += [Job(("dp",), n, ["--rounds", "6", "--steps", "12"], {}, 40 + more, 240),
-                 Job(("pp",), n, ["--rounds", "4", "--steps", "6", "--micro-batches", "2,4,8"], {},
+        jobs += [Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 55 + more, 240),
+                 Job(("pp",), n, ["--rounds", "6", "--steps", "6", "--micro-batches", "2,4,8"], {},
                      60 + 2 * more, 300),
-                 Job(("tp",), n, ["--rounds", "4", "--steps", "6"], {}, 40 + more, 240)]
+                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 40 + more, 240)]
     # MPICH's progress thread moves non-blocking collectives on while backward computes.
     jobs.append(Job(("dp",), 2, ["--rounds", "6", "--steps", "12", "--without-gloo"],
                     {"MPIR_CVAR_ASYNC_PROGRESS": 1}, 35, 240))
