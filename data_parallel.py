@@ -639,7 +639,7 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
     comm.Barrier()
 
 
-def load_checkpoint(comm, root, config, shard_name, same_world_size=True):
+def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
     """The latest complete checkpoint's manifest and the shard this rank needs, verified.
     Any problem on any rank is a ConfigError on every rank."""
     error = manifest = shard = None
@@ -653,6 +653,9 @@ def load_checkpoint(comm, root, config, shard_name, same_world_size=True):
             manifest = json.load(f)
         if manifest["strategy"] != STRATEGY:
             raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if manifest["step"] >= steps:
+            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
+                              f"train; ask for more steps to continue")
         if same_world_size and manifest["world_size"] != comm.Get_size():
             raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
                               f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
@@ -814,7 +817,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     if args.resume:
         try:
             manifest, shard = load_checkpoint(comm, args.save, {"model": "LeNet-5+BN"},
-                                              lambda m: "rank-0.pt", same_world_size=False)
+                                              lambda m: "rank-0.pt", args.steps, same_world_size=False)
         except ConfigError as e:
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
