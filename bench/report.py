@@ -26,6 +26,12 @@ def case(run, **tags):
                  if all(c["tags"].get(k) == v for k, v in tags.items())), None)
 
 
+def scaling_job(runs):
+    """The scaling group's entry with the most ranks (its cases cover every N up to that)."""
+    return max((r for r in runs if r["group"] == "scaling" and r["result"]), key=lambda r: r["ranks"],
+               default=None)
+
+
 def ok(c):
     return c is not None and "error" not in c["result"]
 
@@ -123,7 +129,9 @@ def load_line(entries):
     """The load average around each job of a table: how much the machine was shared."""
     parts = [f"N = {e['ranks']}" + "".join(f", {k}={v}" for k, v in e["env"].items())
              + f": {e['load'][0]} → {e['load'][1]}" for e in entries if e.get("load")]
-    return [f"Load average (1 min) at the start → end of each job: {'; '.join(parts)}.", ""] if parts else []
+    if not parts:
+        return []
+    return [f"Load average (1 min) at the start → end of each job: {'; '.join(parts)}.", ""]
 
 
 def check_cell(c):
@@ -228,7 +236,8 @@ def pipeline(meta, runs, cores):
     cfg = first.get("config") or {}
     lines += [f"GPT, {cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × {cfg.get('heads')} heads, "
               f"global batch {cfg.get('batch_size')} sequences of {cfg.get('seq_len')} characters cut "
-              f"into M micro-batches ({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}). "
+              f"into M micro-batches ({plural(first['steps'], 'step')} per run, "
+              f"{plural(first['rounds'], 'round')}). "
               "*Bubble*: the share of the step a rank waits for a peer, mean over ranks; theory "
               "(N−1)/(M+N−1), which for model parallelism (the whole batch at once) is M = 1. "
               "*Peak activations*: micro-batches held at once per rank, and the bytes autograd saved "
@@ -244,7 +253,7 @@ def pipeline(meta, runs, cores):
                 continue
             r, t = c["result"], c["tags"]
             if t["kind"] == "peer":
-                rows.append([where, c["label"], t["m"], step_cell(c), "–", "–", "–", "–", "1.00×", "–"])
+                rows.append([where, c["label"], t["m"], step_cell(c)] + ["–"] * 4 + ["1.00×", "–"])
                 continue
             m, label = t.get("m", 1), c["label"]
             if t["strategy"] == "model_parallel":  # waiting for a peer, as the pipeline's bubble
@@ -276,7 +285,8 @@ def tensor_parallel(meta, runs, cores):
     L, B, T, h = (cfg.get(k) for k in ("layers", "batch_size", "seq_len", "hidden"))
     calls, volume = 4 * L + 5, (4 * L + 2) * 4 * B * T * h + 3 * 4 * B * T
     lines += [f"GPT, {L} blocks × {h} hidden × {cfg.get('heads')} heads, batch {B} × {T} characters "
-              f"({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}). Formula per step: "
+              f"({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}). "
+              "Formula per step: "
               f"4L + 5 = {calls} allreduces, (4L + 2) × 4BTh + 3 × 4BT = {volume:,} bytes from each "
               "rank. The torch peer splits the same layers the same way (Colwise: qkv, fc1, head; "
               "Rowwise: proj, fc2, embedding; loss_parallel).", ""]
@@ -300,7 +310,7 @@ def tensor_parallel(meta, runs, cores):
 
 def scaling(meta, runs, cores):
     lines = ["## Scaling: the same global batch at N = 1, 2, 4", ""]
-    j = max((r for r in runs if r["group"] == "scaling" and r["result"]), key=lambda r: r["ranks"], default=None)
+    j = scaling_job(runs)
     if j is None:
         return lines + ["Not measured (see above).", ""]
     cases = j["result"]["cases"]
@@ -361,8 +371,10 @@ def findings(meta, runs, cores):
             j = job(runs, "dp", n, env)
             if not (j and j["result"]):
                 continue
-            where = f"Data parallelism, N = {ranks_label(n, cores)}" + "".join(f", {k}={v}" for k, v in env.items())
-            peer, floor, bare = case(j, variant="ddp"), case(j, kind="floor"), case(j, kind="limit", variant="mpi")
+            where = (f"Data parallelism, N = {ranks_label(n, cores)}"
+                     + "".join(f", {k}={v}" for k, v in env.items()))
+            peer, floor = case(j, variant="ddp"), case(j, kind="floor")
+            bare = case(j, kind="limit", variant="mpi")
             for variant in ("default", "small", "no_overlap"):
                 c = case(j, variant=variant)
                 if ok(c) and not env:
@@ -374,10 +386,11 @@ def findings(meta, runs, cores):
                            f"{ms(blocking['result']['comm_s'])} ms with one blocking allreduce "
                            f"({blocking['result']['comm_s'] / bare['result']['step_time_s']:.1f}× a bare "
                            f"MPI Allreduce of the same bytes, {ms(bare['result']['step_time_s'])} ms) and "
-                           f"{ms(small['result']['comm_s'])} ms with {plural(small['result']['buckets'], 'bucket')} "
-                           f"overlapped ({f'{pct(kept)} of it stays exposed' if kept < 1 else 'none of it hidden'}"
-                           f", paired by round); the whole "
-                           f"step with overlap takes {steps:.2f}× the step without.")
+                           f"{ms(small['result']['comm_s'])} ms with "
+                           f"{plural(small['result']['buckets'], 'bucket')} overlapped ("
+                           + (f"{pct(kept)} of it stays exposed" if kept < 1 else "none of it hidden")
+                           + f", paired by round); the whole step with overlap takes {steps:.2f}× the "
+                           "step without.")
             if not env:
                 faster("the bare MPI Allreduce", bare, "the bare gloo allreduce",
                        case(j, kind="limit", variant="gloo"), where)
@@ -398,9 +411,10 @@ def findings(meta, runs, cores):
         j = job(runs, "tp", n)
         faster("tensor_parallel.py", case(j, kind="strategy"), "torch.distributed.tensor.parallel",
                case(j, kind="peer"), f"Tensor parallelism, N = {ranks_label(n, cores)}")
-    j = max((r for r in runs if r["group"] == "scaling" and r["result"]), key=lambda r: r["ranks"], default=None)
+    j = scaling_job(runs)
     for label in dict.fromkeys(c["label"] for c in (j["result"]["cases"] if j else [])):
-        one = {c["tags"]["threads"]: c for c in j["result"]["cases"] if c["label"] == label and c["tags"]["n"] == 1}
+        one = {c["tags"]["threads"]: c for c in j["result"]["cases"]
+               if c["label"] == label and c["tags"]["n"] == 1}
         if len(one) == 2:
             x = ratio(one[max(one)], one[min(one)])
             if x is not None and x > 1.03:

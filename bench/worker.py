@@ -203,7 +203,8 @@ def data_parallel_cases(ctx):
     return [
         Case("data_parallel.py", {"kind": "strategy", "strategy": dp, "variant": "default", "scaling": True},
              strategy(dp)),
-        Case(f"data_parallel.py --bucket-mb {small:g}", {"kind": "strategy", "strategy": dp, "variant": "small"},
+        Case(f"data_parallel.py --bucket-mb {small:g}",
+             {"kind": "strategy", "strategy": dp, "variant": "small"},
              strategy(dp, "--bucket-mb", small)),
         Case("data_parallel.py --no-overlap", {"kind": "strategy", "strategy": dp, "variant": "no_overlap"},
              strategy(dp, "--no-overlap")),
@@ -256,7 +257,8 @@ def pipeline_cases(ctx):
                    "scaling": s == "1f1b" and m == torch_m},
                   strategy(pp, "--schedule", s, "--micro-batches", m))
              for m in ms for s in ("gpipe", "1f1b")]
-    cases.append(Case("model_parallel.py", {"kind": "strategy", "strategy": "model_parallel", "scaling": True},
+    cases.append(Case("model_parallel.py",
+                      {"kind": "strategy", "strategy": "model_parallel", "scaling": True},
                       strategy("model_parallel")))
     for s, name in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
         cases.append(Case(f"torch.distributed.pipelining {name}, M = {torch_m}",
@@ -417,7 +419,8 @@ def config(group, world_size):
 def wanted(tags, args):
     if args.without_gloo and tags.get("gloo"):
         return False
-    return {"all": True, "strategies": tags["kind"] == "strategy", "peers": tags["kind"] != "strategy"}[args.cases]
+    is_strategy = tags["kind"] == "strategy"
+    return {"all": True, "strategies": is_strategy, "peers": not is_strategy}[args.cases]
 
 
 def parse_args(argv):
