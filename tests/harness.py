@@ -87,3 +87,13 @@ def last_json(result):
 def error_lines(result):
     """The lines of stderr that the scripts print for a rejected input."""
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def assert_refused(result, words):
+    """A rejected input: exit status 2, one `error:` line that says `words`, no traceback, no
+    output on stdout. Returns the line."""
+    lines = error_lines(result)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(lines) == 1 and words in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == "", result.stdout + result.stderr
+    return lines[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import clean_env, error_lines, last_json, launch
+from harness import assert_refused, clean_env, last_json, launch
 
 # Each script with small, quick arguments: (flags, world size, does it shard its checkpoint?)
 SCRIPTS = {
@@ -49,12 +49,6 @@ def same(a, b):
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
-
-
-def refused(result, words):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert len(error_lines(result)) == 1 and words in error_lines(result)[0], result.stderr
-    assert "Traceback" not in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +111,7 @@ def test_damaged_checkpoint_is_refused(script, finished, damage):
     else:
         data = data[:len(data) // 3]
     shard.write_bytes(bytes(data))
-    refused(run(script, save, "--resume", "--steps", STEPS + EVERY), "is damaged")
+    assert_refused(run(script, save, "--resume", "--steps", STEPS + EVERY), "is damaged")
 
 
 @pytest.mark.e2e
@@ -128,26 +122,26 @@ def test_checkpoint_of_another_strategy_is_refused(script, finished):
     content = json.loads(manifest.read_text())
     content["strategy"] = "some_other_strategy"
     manifest.write_text(json.dumps(content))
-    refused(run(script, save, "--resume", "--steps", STEPS + EVERY), "was written by some_other_strategy")
+    assert_refused(run(script, save, "--resume", "--steps", STEPS + EVERY), "was written by some_other_strategy")
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resuming_a_finished_run_is_refused(script, finished):
-    refused(run(script, finished(script), "--resume"), "leaves nothing to train")
+    assert_refused(run(script, finished(script), "--resume"), "leaves nothing to train")
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", SHARDED)
 def test_checkpoint_of_another_model_is_refused(script, finished):
     """A shard fits only the model that wrote it: here one block more."""
-    refused(run(script, finished(script), "--resume", "--steps", STEPS + EVERY, "--layers", 5), "holds a model")
+    assert_refused(run(script, finished(script), "--resume", "--steps", STEPS + EVERY, "--layers", 5), "holds a model")
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resume_without_a_checkpoint_is_refused(script, tmp_path):
-    refused(run(script, tmp_path, "--resume"), "no complete checkpoint")
+    assert_refused(run(script, tmp_path, "--resume"), "no complete checkpoint")
 
 
 @pytest.mark.e2e
@@ -158,7 +152,7 @@ def test_another_world_size(script, finished):
     save = finished(script)
     result = run(script, save, "--resume", "--steps", STEPS + EVERY, np=world // 2)
     if sharded:
-        refused(result, f"written by {world} ranks")
+        assert_refused(result, f"written by {world} ranks")
     else:
         assert result.returncode == 0, result.stderr
         assert f"resumed from {save} at step {STEPS} (written by {world} ranks)" in result.stdout
