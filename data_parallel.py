@@ -563,7 +563,7 @@ def finish(args, comm, exchange, model, losses, buffers=True):
 
 def average_buffers(model, exchange):
     """Per-rank BatchNorm keeps per-rank running statistics: average them into one model."""
-    for name, b in model.named_buffers():
+    for b in model.buffers():
         if b.is_floating_point():
             b.copy_(exchange.allreduce(b.clone(), "buffers") / exchange.comm.Get_size())
 
