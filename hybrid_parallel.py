@@ -1,0 +1,1206 @@
+"""Hybrid parallelism over MPI: data, tensor and pipeline parallelism at once, on a 3-D grid of ranks.
+
+What is split: everything, as Megatron-LM splits its largest models (Narayanan et al. 2021). The
+D x T x P ranks of the world form a grid (--dp D --tp T --pp P):
+  tensor (T):   within a stage every weight matrix is split over T ranks: Megatron's f and g,
+                column- and row-parallel linears, the vocabulary-parallel embedding on the first
+                stage and the vocabulary-parallel cross-entropy on the last (Shoeybi et al. 2019);
+  pipeline (P): the blocks are cut into P stages, each replica's share of the batch into M
+                micro-batches (--micro-batches) that flow through the stages in the 1F1B order;
+  data (D):     D replicas of that pipeline each take B/D of the global batch of B sequences;
+                their gradients are averaged by a bucketed allreduce.
+
+  global rank = pp x (D x T) + dp x T + tp (Megatron's order: the tensor-parallel ranks are
+  consecutive, so that under a normal launch they share a node and its fast links; then data;
+  pipeline outermost). --dp 2 --tp 2 --pp 2 on 8 ranks, 4 blocks:
+
+                        stage 0 (pp 0)                          stage 1 (pp 1)
+                    embedding, blocks 0-1                blocks 2-3, norm, head, loss
+   replica 0    [ rank 0  |  rank 1 ]  == activations ==>  [ rank 4  |  rank 5 ]
+     (dp 0)        tp 0       tp 1     <== gradients ====     tp 0       tp 1
+                     |          |                              |          |
+                     gradient allreduce                        gradient allreduce
+                     |          |                              |          |
+   replica 1    [ rank 2  |  rank 3 ]  ==================>  [ rank 6  |  rank 7 ]
+     (dp 1)        tp 0       tp 1     <==================     tp 0       tp 1
+
+  [ a | b ]: a tensor-parallel group, allreduces inside every layer (0-1, 2-3, 4-5, 6-7);
+  ==>: point-to-point between the ranks of equal (dp, tp) (0-4, 1-5, 2-6, 3-7);
+  gradient allreduce: between the ranks of equal (pp, tp) (0-2, 1-3, 4-6, 5-7).
+
+Communication per step, summed over every rank of the grid (L blocks, B sequences of S characters,
+hidden size h, M micro-batches, float32 = 4 bytes; an axis of size 1 moves nothing):
+  tensor:   D x M x (4L + 5) allreduces: per micro-batch through a replica's stages, 2 per block
+            forward (g) and 2 backward (f), the embedding's g, the head's f, 3 for the loss;
+            T x [(4L + 2) x 4BSh + 3 x 4BS] bytes: each of a group's T ranks hands in the whole
+            activation.
+  pipeline: 2M(P - 1) x D x T messages, 2(P - 1) x T x 4BSh bytes, no collective: each of a
+            stage's T ranks sends its own copy of the activation to its peer in the next stage.
+  data:     one allreduce per bucket (--bucket-mb) in each of the P x T groups of equal (pp, tp),
+            D x 4W bytes, W the parameters of one replica: the model's, with the vocabulary padded
+            to a multiple of T, plus (T - 1) x R held whole on every tensor-parallel rank (R =
+            Sh + 6Lh + 2h: the LayerNorms, the position embedding, the row-parallel biases).
+  bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
+Each axis costs differently: tensor parallelism moves activations twice each way in every block,
+on the critical path; the pipeline moves one activation per micro-batch and stage boundary; data
+parallelism moves the gradients once per step, overlapped with the last backward.
+
+When to choose it: the model outgrows one node. Put the tensor axis inside a node (fast links),
+the pipeline across nodes (little traffic), and use data parallelism over the replicas that the
+device count leaves; grow M to shrink the bubble.
+
+The network: the GPT of tensor_parallel.py and pipeline_parallel.py, on the source of Python's own
+argparse.py, textwrap.py and shlex.py.
+
+Run:  mpirun -np 8 python hybrid_parallel.py --dp 2 --tp 2 --pp 2      (add --help for the flags)
+"""
+import argparse
+import collections
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mpi4py import MPI
+
+STRATEGY = "hybrid_parallel"
+# Largest |difference| allowed against single-process training (float32). Measured over 20 steps of
+# the tests' small GPT: at most 1.2e-6 in losses and parameters over every grid of 1, 2, 4 and 8
+# ranks (row-parallel partial sums, micro-batches and replicas reorder float32 sums).
+TOLERANCE = 2e-5
+SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
+VOCAB = 128  # the ASCII codes
+POLL_S = 1e-4  # a rank waiting for a peer sleeps between polls and leaves the core to ranks that compute
+
+
+# -----------------------------------------------------------------------------
+# The grid: D x T x P ranks in Megatron's order, and one communicator per axis
+# -----------------------------------------------------------------------------
+def coordinates(rank, dp, tp):
+    """(dp, pp, tp) of a global rank: tp varies fastest, then dp, pp slowest."""
+    return (rank // tp) % dp, rank // (dp * tp), rank % tp
+
+
+def rank_at(d, p, t, dp, tp):
+    return p * dp * tp + d * tp + t
+
+
+def make_grid(comm, dp, tp, pp):
+    """A Cartesian communicator of dimensions (pp, dp, tp), in row-major order, so the last (tp)
+    varies fastest: Megatron's order. Sub() keeps one dimension: the ranks that differ only there.
+    Returns the tensor-, pipeline- and data-parallel communicators of this rank."""
+    cart = comm.Create_cart([pp, dp, tp], periods=[False] * 3, reorder=False)
+    p, d, t = cart.Get_coords(cart.Get_rank())
+    assert (d, p, t) == coordinates(comm.Get_rank(), dp, tp)
+    tp_comm = cart.Sub([False, False, True])  # equal (pp, dp): one stage of one replica
+    pp_comm = cart.Sub([True, False, False])  # equal (dp, tp): one pipeline, rank = stage
+    dp_comm = cart.Sub([False, True, False])  # equal (pp, tp): the replicas of one shard
+    cart.Free()
+    return tp_comm, pp_comm, dp_comm
+
+
+def to_mpi(t):
+    """The buffer MPI reads and writes: t, or a host copy of a CUDA tensor (staged: an MPI that
+    is not CUDA-aware cannot read GPU memory). Kernels writing t finish first."""
+    if t.is_cuda:
+        torch.cuda.current_stream().synchronize()
+        return t.cpu()
+    return t
+
+
+# -----------------------------------------------------------------------------
+# Tensor parallelism within a stage: f and g, Megatron's layers, on the tensor-parallel communicator
+# -----------------------------------------------------------------------------
+def allreduce(t, comm, op=MPI.SUM):
+    """A new tensor: t summed (or maxed) over comm; on one rank there is nothing to exchange."""
+    t = t.detach().clone(memory_format=torch.contiguous_format)
+    if comm.Get_size() > 1:
+        buf = to_mpi(t)
+        comm.Allreduce(MPI.IN_PLACE, buf, op=op)
+        if buf is not t:
+            t.copy_(buf)
+    return t
+
+
+class f(torch.autograd.Function):
+    """Identity forward, allreduce backward: before a column-parallel layer, whose input every
+    rank holds whole; each rank's backward sees only the gradient through its own columns."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return allreduce(dy, ctx.comm), None
+
+
+class g(torch.autograd.Function):
+    """Allreduce forward, identity backward: sums the partial products of a row-parallel layer."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return allreduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+def cut(t, dim, rank, size, groups=1, padded=None):
+    """Rank `rank` of `size`'s slice of t along dim. groups=3: t is q, k, v side by side and each
+    rank keeps the same slice of each (its heads). padded: zero rows first, up to that size."""
+    t = t.detach()
+    if padded is not None and padded > t.size(dim):
+        shape = list(t.shape)
+        shape[dim] = padded - t.size(dim)
+        t = torch.cat([t, t.new_zeros(shape)], dim)
+    return torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone()
+
+
+def shard(t, dim, comm, groups=1, padded=None):
+    """This rank's slice of t, as a parameter that remembers how it was cut."""
+    p = nn.Parameter(cut(t, dim, comm.Get_rank(), comm.Get_size(), groups, padded))
+    p.partition = (dim, groups, padded)
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = f(X) A_r + b_r: rank r's slice of the output features; X is whole on every rank."""
+
+    def __init__(self, full, comm, groups=1, padded=None):
+        super().__init__()
+        self.comm = comm
+        self.weight = shard(full.weight, 0, comm, groups, padded)
+        self.bias = None if full.bias is None else shard(full.bias, 0, comm, groups, padded)
+
+    def forward(self, x):
+        return F.linear(f.apply(x, self.comm), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = g(X_r B_r) + b: rank r holds the rows of B for its slice X_r of the input features;
+    the bias is whole on every rank and added once, after the sum."""
+
+    def __init__(self, full, comm):
+        super().__init__()
+        self.comm = comm
+        self.weight = shard(full.weight, 1, comm)
+        self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x):
+        return g.apply(F.linear(x, self.weight), self.comm) + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r owns the rows of a range of the vocabulary: it looks up the tokens in its range,
+    writes zeros for the others, and g sums: every token's row comes from exactly one rank."""
+
+    def __init__(self, full, comm, padded):
+        super().__init__()
+        self.comm = comm
+        self.weight = shard(full.weight, 0, comm, padded=padded)
+        self.start = comm.Get_rank() * self.weight.size(0)
+
+    def forward(self, idx):
+        outside = (idx < self.start) | (idx >= self.start + self.weight.size(0))
+        rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        return g.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over tokens from each rank's slice of the logits: three allreduces of
+    b x S numbers forward (max, the target's logit, the sum of exponentials), none backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm):
+        per = logits.size(-1)
+        start = comm.Get_rank() * per
+        padding = torch.arange(start, start + per, device=logits.device) >= VOCAB
+        logits = logits.masked_fill(padding, float("-inf"))  # padded columns take no probability
+        top = allreduce(logits.max(dim=-1).values, comm, op=MPI.MAX)
+        shifted = logits - top.unsqueeze(-1)  # exp() stays <= 1
+        owned = (target >= start) & (target < start + per)
+        local = (target - start).clamp(0, per - 1)
+        picked = allreduce(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0), comm)
+        exps = shifted.exp()
+        total = allreduce(exps.sum(dim=-1), comm)
+        ctx.save_for_backward(exps / total.unsqueeze(-1), local, owned)
+        return (total.log() - picked).mean()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, local, owned = ctx.saved_tensors  # d loss / d logit = softmax - one-hot(target)
+        grad = softmax.scatter_add(-1, local.unsqueeze(-1), -owned.unsqueeze(-1).to(softmax.dtype))
+        return grad * (dloss / owned.numel()), None, None
+
+
+def padded_vocab(tp):
+    return -(-VOCAB // tp) * tp
+
+
+def shard_block(block, comm):
+    """Megatron's block, in place: attention f -> qkv columns (this rank's heads) -> proj rows -> g,
+    MLP f -> fc1 columns -> GELU -> fc2 rows -> g. Block.forward is unchanged."""
+    block.qkv = ColumnParallelLinear(block.qkv, comm, groups=3)
+    block.proj = RowParallelLinear(block.proj, comm)
+    block.heads //= comm.Get_size()
+    block.fc1 = ColumnParallelLinear(block.fc1, comm)
+    block.fc2 = RowParallelLinear(block.fc2, comm)
+    return block
+
+
+class Stage(nn.Module):
+    """Blocks [lo, hi) of the full model, with the embedding on the first stage and the final
+    norm and head on the last, every matrix sharded over the tensor-parallel communicator."""
+
+    def __init__(self, model, lo, hi, first, last, comm):
+        super().__init__()
+        self.first, self.last, self.lo, self.hidden = first, last, lo, model.norm.normalized_shape[0]
+        padded = padded_vocab(comm.Get_size())
+        if first:
+            self.tokens, self.positions = VocabParallelEmbedding(model.tokens, comm, padded), model.positions
+        self.blocks = nn.ModuleList(shard_block(b, comm) for b in model.blocks[lo:hi])
+        if last:
+            self.norm, self.out = model.norm, ColumnParallelLinear(model.out, comm, padded=padded)
+
+    def forward(self, x):
+        if self.first:
+            x = self.tokens(x) + self.positions(torch.arange(x.size(1), device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x)) if self.last else x
+
+    def full_name(self, name):
+        """The full model's name of this stage's parameter `name`."""
+        if name.startswith("blocks."):
+            i, rest = name.removeprefix("blocks.").split(".", 1)
+            return f"blocks.{int(i) + self.lo}.{rest}"
+        return name
+
+
+def layer_split(layers, pp):
+    """Blocks [lo, hi) of each stage, as even as can be; the extra blocks go to the first stages
+    (the last also runs the head and the loss)."""
+    sizes = [layers // pp + (s < layers % pp) for s in range(pp)]
+    return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
+
+
+# -----------------------------------------------------------------------------
+# Pipeline parallelism across stages: 1F1B as per-rank lists of actions, proven on paper
+# -----------------------------------------------------------------------------
+Action = collections.namedtuple("Action", "op mb")  # forward, backward, send_/recv_ act/grad, reduce
+
+
+class ScheduleError(Exception):
+    """A schedule that would deadlock, lose a message or use an input before it exists."""
+
+
+def one_f_one_b(pp, m, stage):
+    """1F1B (PipeDream-Flush): pp-1-stage warm-up forwards, then one forward one backward, then the
+    remaining backwards; last, the data-parallel gradient allreduce ('reduce')."""
+    def forward(i):
+        return [Action("recv_act", i)] * (stage > 0) + [Action("forward", i)] + \
+            [Action("send_act", i)] * (stage < pp - 1)
+
+    def backward(i):
+        return [Action("recv_grad", i)] * (stage < pp - 1) + [Action("backward", i)] + \
+            [Action("send_grad", i)] * (stage > 0)
+
+    warmup = min(pp - 1 - stage, m)
+    actions = [a for i in range(warmup) for a in forward(i)]
+    for i in range(m - warmup):
+        actions += forward(warmup + i) + backward(i)
+    return actions + [a for i in range(m - warmup, m) for a in backward(i)] + [Action("reduce", m - 1)]
+
+
+def dry_run(lists, dp, tp, m):
+    """Execute the lists of every rank of the grid on paper, one slot per forward or backward.
+    A send never blocks (Isend); a receive waits for the send of the rank of equal (dp, tp) one
+    stage away. A forward or backward holds the tensor-parallel allreduces, so the T ranks of a
+    group run it together, and 'reduce' the D ranks of equal (pp, tp): a group waits until every
+    member is at the same action. Raises ScheduleError unless every rank runs each micro-batch's
+    forward and backward once, after its inputs exist, and every message is received. Returns per
+    rank the ideal timeline [(label, start, end)] and the peak count of micro-batches held."""
+    n = len(lists)
+    pp = n // (dp * tp)
+    pc, clock, sent = [0] * n, [0] * n, {}  # sent: (src, dst, kind, mb) -> slot it was sent at
+    have = [set() for _ in range(n)]  # (act|grad, mb) received, (forward|backward, mb) computed
+    spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
+
+    def neighbour(r, step):
+        d, p, t = coordinates(r, dp, tp)
+        return rank_at(d, p + step, t, dp, tp) if 0 <= p + step < pp else None
+
+    def group(r, op):
+        d, p, t = coordinates(r, dp, tp)
+        if op == "reduce":
+            return [rank_at(e, p, t, dp, tp) for e in range(dp)]
+        return [rank_at(d, p, u, dp, tp) for u in range(tp)]
+
+    def compute(r, op, i):
+        first, last = neighbour(r, -1) is None, neighbour(r, 1) is None
+        needs = {"forward": [("act", i)] * (not first), "reduce": [("backward", j) for j in range(m)],
+                 "backward": [("forward", i)] + [("grad", i)] * (not last)}[op]
+        if (op, i) in have[r] or not 0 <= i < m or not all(x in have[r] for x in needs):
+            raise ScheduleError(f"rank {r}: {op} {i} twice, out of range, or before {needs}")
+        have[r].add((op, i))
+        if op != "reduce":
+            spans[r].append((f"{op[0].upper()}{i}", clock[r], clock[r] + 1))
+            clock[r] += 1
+            held[r] += 1 if op == "forward" else -1
+            peak[r] = max(peak[r], held[r])
+
+    moved = True
+    while moved:
+        moved = False
+        for r in range(n):
+            while pc[r] < len(lists[r]):
+                op, i = lists[r][pc[r]]
+                kind = op.split("_")[-1]
+                if op.startswith("recv_"):
+                    key = (neighbour(r, -1 if kind == "act" else 1), r, kind, i)
+                    if key not in sent:
+                        break  # blocked until the peer sends
+                    clock[r] = max(clock[r], sent.pop(key))
+                    have[r].add((kind, i))
+                elif op.startswith("send_"):
+                    dst, needs = (neighbour(r, 1), "forward") if kind == "act" else (neighbour(r, -1), "backward")
+                    if (needs, i) not in have[r] or dst is None or (r, dst, kind, i) in sent:
+                        raise ScheduleError(f"rank {r}: {op} {i} before its {needs}, to no rank, or twice")
+                    sent[(r, dst, kind, i)] = clock[r]
+                elif op in ("forward", "backward", "reduce"):
+                    members = group(r, op)
+                    if any(pc[q] >= len(lists[q]) or lists[q][pc[q]] != (op, i) for q in members):
+                        break  # a collective: waits until the whole group is here
+                    start = max(clock[q] for q in members)
+                    for q in members:
+                        clock[q] = start
+                        compute(q, op, i)
+                        pc[q] += 1 if q != r else 0
+                else:
+                    raise ScheduleError(f"rank {r}: unknown action {op!r}")
+                pc[r] += 1
+                moved = True
+    stuck = [f"rank {r} at {lists[r][pc[r]]}" for r in range(n) if pc[r] < len(lists[r])]
+    if stuck:
+        raise ScheduleError(f"deadlock: {', '.join(stuck)} wait for messages or peers that never come")
+    if sent:
+        raise ScheduleError(f"messages never received (src, dst, kind, micro-batch): {sorted(sent)}")
+    for r in range(n):  # each ran at most once and in range: 2M of them means all of them
+        if len(spans[r]) != 2 * m or ("reduce", m - 1) not in have[r]:
+            raise ScheduleError(f"rank {r} does not run all {m} micro-batches and the reduce")
+    return spans, peak
+
+
+def tag(kind, mb):
+    return 1 + 2 * mb + (kind == "grad")
+
+
+def receive(comm, shape, device, source, kind, mb):
+    """Post a receive of an activation or gradient: (request, buffer, tensor it lands in)."""
+    t = torch.empty(shape, device=device)
+    buf = t.cpu() if t.is_cuda else t
+    return comm.Irecv(buf, source=source, tag=tag(kind, mb)), buf, t
+
+
+# -----------------------------------------------------------------------------
+# Data parallelism across replicas: the bucketed gradient allreduce on the data-parallel communicator
+# -----------------------------------------------------------------------------
+class GradBuckets:
+    """PyTorch DDP's reducer in miniature. Buckets follow reverse registration order, the order in
+    which backward produces gradients. During the step's last backward (after it, a gradient holds
+    all M micro-batches), a post-accumulate-grad hook counts a bucket's gradients and starts its
+    non-blocking allreduce the moment the last one is in; finish() waits and divides by D."""
+
+    def __init__(self, params, comm, bucket_bytes):
+        self.comm, self.buckets, size = comm, [[]], 0
+        for p in reversed(list(params)):
+            if size >= bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
+        if comm.Get_size() > 1:
+            for p in self.bucket_of:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def start(self):
+        """Before the last backward of the step: exchange each bucket when it is complete."""
+        self.exchanging, self.ready, self.pending = True, [0] * len(self.buckets), []
+
+    def _grad_ready(self, p):
+        if not self.exchanging:  # an earlier micro-batch: gradients just add up
+            return
+        i = self.bucket_of[p]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+            buf = to_mpi(flat)
+            self.pending.append((i, flat, buf, self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)))
+        for *_, request in self.pending:
+            request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
+
+    def finish(self):
+        """Wait for every bucket; leave the gradients averaged over the D replicas in .grad."""
+        self.exchanging = False
+        if self.comm.Get_size() == 1:
+            return
+        assert len(self.pending) == len(self.buckets), "a gradient never arrived"
+        for i, flat, buf, request in self.pending:
+            request.Wait()
+            if buf is not flat:
+                flat.copy_(buf)
+            flat /= self.comm.Get_size()
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+# -----------------------------------------------------------------------------
+# The hybrid training step: this rank's list of actions, executed
+# -----------------------------------------------------------------------------
+def train_step(stage, optimizer, buckets, actions, x, y, m, tp_comm, pp_comm, timeline):
+    """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches.
+    Returns on the last stage the replica's loss (the micro-batches' losses, each divided by M,
+    summed), elsewhere 0."""
+    s, last_stage = pp_comm.Get_rank(), pp_comm.Get_size() - 1
+    xs, ys = x.chunk(m), y.chunk(m)
+    shape = (xs[0].size(0), xs[0].size(1), stage.hidden)
+    inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
+    last_backward = max(k for k, a in enumerate(actions) if a.op == "backward")
+    optimizer.zero_grad(set_to_none=False)
+
+    def post(a):
+        kind = a.op.split("_")[1]
+        recvs[a] = receive(pp_comm, shape, x.device, s - 1 if kind == "act" else s + 1, kind, a.mb)
+
+    for k, a in enumerate(actions):
+        if a.op in ("forward", "backward"):  # post the next receive, to land while we compute
+            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_")), None)
+            if upcoming is not None and upcoming not in recvs:
+                post(upcoming)
+        if a.op.startswith("recv_"):
+            if a not in recvs:
+                post(a)
+            request, buf, t = recvs.pop(a)
+            with timeline.span("idle", "wait " + a.op):
+                while not request.Test():
+                    time.sleep(POLL_S)  # spinning in Wait would steal the core of a rank that computes
+            received[a] = t.copy_(buf) if buf is not t else t
+        elif a.op == "forward":
+            with timeline.span("compute", f"F{a.mb}"):
+                inp = xs[a.mb] if s == 0 else received.pop(Action("recv_act", a.mb)).requires_grad_()
+                out = stage(inp)
+                if s == last_stage:  # divided by M: the summed gradients are the whole share's
+                    out = VocabParallelCrossEntropy.apply(out, ys[a.mb], tp_comm) / m
+                    total += out.item()
+            inputs[a.mb], outputs[a.mb] = inp, out
+        elif a.op == "backward":
+            if k == last_backward:
+                buckets.start()
+            with timeline.span("compute", f"B{a.mb}"):
+                outputs.pop(a.mb).backward(None if s == last_stage else received.pop(Action("recv_grad", a.mb)))
+            grads[a.mb] = inputs.pop(a.mb).grad
+        elif a.op in ("send_act", "send_grad"):
+            t = outputs[a.mb].detach() if a.op == "send_act" else grads.pop(a.mb)
+            buf = to_mpi(t.contiguous())
+            dest, kind = (s + 1, "act") if a.op == "send_act" else (s - 1, "grad")
+            sends.append((pp_comm.Isend(buf, dest=dest, tag=tag(kind, a.mb)), buf))
+        elif a.op == "reduce":
+            with timeline.span("comm", "gradient allreduce"):
+                buckets.finish()
+        sends = [(r, b) for r, b in sends if not r.Test()]
+    with timeline.span("idle", "wait send"):
+        for request, _ in sends:
+            while not request.Test():
+                time.sleep(POLL_S)
+    with timeline.span("compute", "optimizer"):
+        optimizer.step()
+    return total
+
+
+# -----------------------------------------------------------------------------
+# Model: a GPT-2 style character-level language model, plain (what one process trains)
+# -----------------------------------------------------------------------------
+def attend(qkv, heads):
+    """Causal self-attention of `heads` heads, from queries, keys and values side by side."""
+    b, t, c = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+    q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
+    future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return (weights @ v).transpose(1, 2).reshape(b, t, c)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
+    weights, so float32 rounding differences between grids stay at rounding level."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden)  # q, k, v side by side
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, --layers blocks, final LayerNorm, untied head."""
+
+    def __init__(self, layers, hidden, heads, seq_len):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x))
+
+
+def build_model(args):
+    """The full model from the seed, on the CPU: the same network on every grid (GPT-2's init)."""
+    torch.manual_seed(args.seed)
+    model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
+    for mod in model.modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(mod.weight, std=0.02)
+        if isinstance(mod, nn.Linear) and mod.bias is not None:
+            nn.init.zeros_(mod.bias)
+    return model
+
+
+def build_stage(args, tp_comm, pp_comm, device):
+    """The full model from the seed on the CPU; this rank keeps its stage's slice, moved alone."""
+    s, pp = pp_comm.Get_rank(), pp_comm.Get_size()
+    lo, hi = layer_split(args.layers, pp)[s]
+    return Stage(build_model(args), lo, hi, s == 0, s == pp - 1, tp_comm).to(device)
+
+
+# -----------------------------------------------------------------------------
+# Data: characters of Python's own source, batches a function of (seed, step)
+# -----------------------------------------------------------------------------
+@functools.cache
+def load_text():
+    """argparse.py, textwrap.py and shlex.py of this Python, every byte >= 128 made '?'."""
+    raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
+    return torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long)
+
+
+def make_batch(seed, step, size, seq_len):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+    data = load_text()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
+    x = torch.stack([data[o:o + seq_len] for o in starts])
+    y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    return x, y
+
+
+def share_of(x, y, replica, replicas):
+    """Replica `replica`'s B/D consecutive sequences of the global batch."""
+    n = x.size(0) // replicas
+    return x[replica * n:(replica + 1) * n], y[replica * n:(replica + 1) * n]
+
+
+# -----------------------------------------------------------------------------
+# The run
+# -----------------------------------------------------------------------------
+def train(args, world, comms, device, stage, optimizer, buckets, timeline, done=(), config=None, log=False):
+    """The steps after the `done` ones (their losses, from a checkpoint), saving checkpoints of
+    `config`'s model with --save. Returns the losses of all steps (the global batch's, on every
+    rank) and the new steps' timings."""
+    tp_comm, pp_comm, dp_comm = comms
+    actions = one_f_one_b(pp_comm.Get_size(), args.micro_batches, pp_comm.Get_rank())
+    reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
+    losses, records = [], []
+    for step in range(len(done), args.steps):
+        inject_failure(world, step)
+        start = time.perf_counter()
+        x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len),
+                        dp_comm.Get_rank(), dp_comm.Get_size())
+        losses.append(train_step(stage, optimizer, buckets, actions, x.to(device), y.to(device),
+                                 args.micro_batches, tp_comm, pp_comm, timeline))
+        sync(device)
+        record = {"step_s": time.perf_counter() - start, **{f"{k}_s": v for k, v in timeline.take().items()}}
+        record["wait_s"] = record.pop("idle_s", 0.0)  # blocked on a peer: the bubble
+        record["idle_s"] = max(0.0, record["step_s"] - record.get("compute_s", 0) - record.get("comm_s", 0))
+        records.append(record)
+        if log and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            loss = global_losses(world, losses[-1:], reports, dp_comm.Get_size())[0]
+            say(world, f"step {step + 1}/{args.steps} | loss {loss:.4f} | "
+                       f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
+                       f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            so_far = list(done) + global_losses(world, losses, reports, dp_comm.Get_size())
+            shard_state = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(), "losses": so_far}
+            save_checkpoint(world, args.save, step + 1, shard_state, config)
+    return list(done) + global_losses(world, losses, reports, dp_comm.Get_size()), records
+
+
+def global_losses(world, losses, reports, dp):
+    """The global batch's losses on every rank: the mean of the replicas' losses, which only the
+    last stage knows (reporting only: on the world communicator, not counted)."""
+    t = torch.tensor(losses if reports else [0.0] * len(losses), dtype=torch.float64)
+    world.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)
+    return (t / dp).tolist()
+
+
+def formulas(args, grid, stage_params, stage_buckets):
+    """Per step, summed over the grid, by axis: (collectives, point-to-point messages, bytes).
+    stage_params, stage_buckets: every rank's count of parameters and of gradient buckets."""
+    D, T, P, M = grid["dp"], grid["tp"], grid["pp"], args.micro_batches
+    L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
+    activation = 4 * B * S * h
+    replicated = S * h + 6 * L * h + 2 * h
+    full = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h
+    assert sum(stage_params) == D * (full + (T - 1) * replicated)  # what each rank holds, added up
+    return {"tensor": (D * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1)),
+            "pipeline": (0, 2 * M * (P - 1) * D * T, 2 * (P - 1) * T * activation),
+            "data": (sum(stage_buckets) // D * (D > 1), 0, D * 4 * (full + (T - 1) * replicated) * (D > 1))}
+
+
+def main(argv=None, comm=MPI.COMM_WORLD):
+    rank, world_size = comm.Get_rank(), comm.Get_size()
+    try:
+        args = parse_args(argv, world_size)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    grid = {"dp": args.dp, "tp": args.tp, "pp": args.pp}
+    comm.Barrier()
+    t0 = time.perf_counter()  # the trace's zero, about the same moment on every rank
+    device = setup_device(comm, args.device)
+    timeline = Timeline(device)
+    # Every rank makes and proves the lists of all ranks, so all reach the same verdict.
+    lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.tp)[1])
+             for r in range(world_size)]
+    ideal, _ = dry_run(lists, args.dp, args.tp, args.micro_batches)
+    tp_comm, pp_comm, dp_comm = (CountedComm(c, timeline) for c in make_grid(comm, args.dp, args.tp, args.pp))
+    stage = build_stage(args, tp_comm, pp_comm, device)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    buckets = GradBuckets(stage.parameters(), dp_comm, args.bucket_mb * 2**20)
+    config = {"grid": grid, "model": "GPT", "layers": args.layers, "hidden": args.hidden,
+              "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}  # what a shard belongs to
+    done = []
+    if args.resume:
+        try:
+            manifest, saved = load_checkpoint(comm, args.save, config, lambda m: f"rank-{rank}.pt",
+                                              args.steps, same_world_size=True)
+        except ConfigError as e:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
+        stage.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        done = saved["losses"]
+        say(comm, f"resumed from {args.save} at step {manifest['step']} "
+                  f"(written by {manifest['world_size']} ranks)")
+    stage_params = comm.allgather(sum(p.numel() for p in stage.parameters()))
+    stage_buckets = comm.allgather(len(buckets.buckets))
+    header(comm, args, device, stage_params, stage_buckets)
+    losses, records = train(args, comm, (tp_comm, pp_comm, dp_comm), device, stage, optimizer, buckets,
+                            timeline, done, config, log=True)
+    ran = max(1, args.steps - len(done))  # per-step counts: the training exchanges only
+    measured = per_axis(comm, {"tensor": tp_comm, "pipeline": pp_comm, "data": dp_comm}, ran)
+    diff = check(args, comm, device, losses, stage, tp_comm) if args.check else None
+    if args.trace:
+        write_trace(comm, timeline, args.trace, t0)
+    return report(comm, args, device, grid, losses, records, ideal, measured,
+                  formulas(args, grid, stage_params, stage_buckets), diff)
+
+
+# =============================================================================
+# You may stop here: the strategy is above. Below is the machinery every file repeats: the check
+# against one process, the report, checkpoints, counters and timeline, setup, arguments.
+# =============================================================================
+def header(comm, args, device, stage_params, stage_buckets):
+    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    where = " ".join(f"{r}:{coordinates(r, D, T)}" for r in range(comm.Get_size()))
+    stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" +
+                        " + norm, head, loss" * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
+    say(comm, f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+        f"CUDA buffers: {'n/a (CPU)' if device.type == 'cpu' else 'staged through host memory'} | model: GPT, "
+        f"{args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
+        f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
+        f"grid: dp {D} x tp {T} x pp {P} | rank: (dp, pp, tp) {where}",
+        f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
+        f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows",
+        f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
+        f"sequences of {args.seq_len} characters | schedule 1f1b, dry run of every rank's actions on the "
+        f"grid: each send meets its receive, each group meets in its collectives, no deadlock",
+        f"parameters per rank: {' '.join(map(str, stage_params))} | gradient buckets per rank: "
+        f"{' '.join(map(str, stage_buckets))} of <= {args.bucket_mb:g} MB")
+
+
+def per_axis(world, comms, ran):
+    """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
+    counted once per group: its calls summed over ranks, divided by the group's size."""
+    out = {}
+    for axis, c in comms.items():
+        calls, volume = world.allreduce(c.calls["allreduce"]), world.allreduce(c.bytes["allreduce"] + c.bytes["send"])
+        out[axis] = (calls / c.Get_size() / ran, world.allreduce(c.calls["send"]) / ran, volume / ran)
+    return out
+
+
+def report(comm, args, device, grid, losses, records, ideal, measured, formula, diff):
+    """The summary on rank 0, and the JSON line with --json; returns the exit status."""
+    D, T, P, M = grid["dp"], grid["tp"], grid["pp"], args.micro_batches
+    slowest, _ = step_summary(comm, records)
+    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
+    theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
+    pipeline = [ideal[rank_at(0, p, 0, D, T)] for p in range(P)]
+    slots = max(e for row in pipeline for _, _, e in row)
+    text = {"tensor": ("allreduces D x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
+            "pipeline": ("messages 2M(P - 1) x D x T", "2(P - 1) x T x 4BSh"),
+            "data": ("allreduces: one per bucket per (pp, tp) group", "D x 4W")}
+    say(comm, f"ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
+        *draw_timeline(pipeline, slots, slots, len(f"B{M - 1}") + 1),
+        f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
+        f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+        f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
+        f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
+        f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
+        "communication per step, summed over the grid, measured | formula:",
+        *(f"  {axis:8} {measured[axis][0 if axis != 'pipeline' else 1]:g} "
+          f"{'messages' if axis == 'pipeline' else 'collectives'}, {measured[axis][2]:,.0f} bytes | "
+          f"{text[axis][0]} = {formula[axis][0 if axis != 'pipeline' else 1]}, {text[axis][1]} = "
+          f"{formula[axis][2]:,}" for axis in ("tensor", "pipeline", "data")))
+    ok = diff is None or diff <= TOLERANCE
+    if diff is not None:
+        say(comm, f"check against single-process training: max |diff| {diff:.2e} "
+                  f"(losses, parameters; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
+    if args.json:
+        say(comm, json.dumps({
+            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
+            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"],
+            "comm_bytes_per_step": sum(m[2] for m in measured.values()),
+            "collectives_per_step": sum(m[0] for m in measured.values()), "check_max_abs_diff": diff,
+            "grid": grid, "micro_batches": M, "layer_split": layer_split(args.layers, P),
+            "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
+            "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
+            "messages_per_step": measured["pipeline"][1],
+            "formula_by_axis": {a: {"collectives": v[0], "messages": v[1], "bytes": v[2]} for a, v in formula.items()},
+            "bubble_fraction": bubble, "bubble_fraction_theory": theory,
+            "bubble_fraction_dry_run": 1 - 2 * M / slots}))
+    return 0 if ok else 1
+
+
+def draw_timeline(rows, length, columns, width):
+    """One line per stage, [0, length) cut into equal cells: a cell shows the span over its middle."""
+    lines, cell = [], length / columns
+    for r, spans in enumerate(rows):
+        cells = ["."] * columns
+        for name, s, e in spans:
+            for c in range(math.ceil(s / cell - 0.5), min(columns, math.ceil(e / cell - 0.5))):
+                cells[c] = name
+        lines.append(f"stage {r} | " + "".join(c.ljust(width) for c in cells).rstrip())
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# Check against single-process training
+# -----------------------------------------------------------------------------
+def reference_training(args, device):
+    """The same steps in one plain process: the unsplit GPT, the whole batch at once, nn.Linear,
+    F.cross_entropy, no MPI."""
+    model = build_model(args).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    losses = []
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def check(args, comm, device, losses, stage, tp_comm):
+    """Largest |difference| in losses and in final parameters. Rank 0 trains the reference and
+    broadcasts its parameters; each rank cuts them as its own were cut and compares."""
+    model = build_model(args)
+    names = [name for name, _ in model.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(device)
+    diff = 0.0
+    if comm.Get_rank() == 0:
+        ref_losses, ref_model = reference_training(args, device)
+        diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        flat = torch.cat([p.detach().reshape(-1) for p in ref_model.parameters()])
+    wait_quietly(comm)
+    buf = to_mpi(flat)
+    comm.Bcast(buf, root=0)
+    offsets, at = {}, 0
+    for name, p in zip(names, model.parameters()):
+        offsets[name], at = (at, p.shape), at + p.numel()
+    for name, p in stage.named_parameters():
+        lo, shape = offsets[stage.full_name(name)]
+        ref = buf[lo:lo + math.prod(shape)].view(shape).to(device)
+        if hasattr(p, "partition"):
+            dim, groups, padded = p.partition
+            ref = cut(ref, dim, tp_comm.Get_rank(), tp_comm.Get_size(), groups, padded)
+        diff = max(diff, (p.detach().double() - ref.double()).abs().max().item())
+    return comm.allreduce(diff, op=MPI.MAX)
+
+
+# -----------------------------------------------------------------------------
+# Report
+# -----------------------------------------------------------------------------
+def step_summary(comm, records):
+    """Medians over steps after the first, of the slowest rank (by median step time)."""
+    per_rank = comm.allgather(records)
+    medians = []
+    for recs in per_rank:
+        recs = recs[1:] or recs
+        medians.append({k: statistics.median(r.get(k, 0.0) for r in recs)
+                        for k in ("step_s", "compute_s", "comm_s", "idle_s")})
+    return max(medians, key=lambda m: m["step_s"]), medians
+
+
+def write_trace(comm, timeline, path, t0):
+    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
+    events = comm.gather([(n, c, s - t0, e - t0) for n, c, s, e in timeline.events], root=0)
+    if comm.Get_rank() != 0:
+        return
+    trace = []
+    for rank, evs in enumerate(events):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        trace += [{"name": n, "cat": c, "ph": "X", "pid": rank, "tid": 0,
+                   "ts": s * 1e6, "dur": (e - s) * 1e6} for n, c, s, e in evs]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+
+
+def say(comm, *lines):
+    if comm.Get_rank() == 0:
+        print(*lines, sep="\n", flush=True)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: a folder appears whole or not at all
+# -----------------------------------------------------------------------------
+def checkpoints(root):
+    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
+    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
+    return [os.path.join(root, n) for n in names]
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_durably(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(comm, root, step, shard, config, keep=2):
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
+    manifest and renames the folder to step-N: a job killed before the rename leaves the
+    previous checkpoint as it was. The folder must be on a file system every rank sees."""
+    final = os.path.join(root, f"step-{step:06d}")
+    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.Barrier()
+    files = {}
+    if shard is not None:
+        name = f"rank-{comm.Get_rank()}.pt"
+        with open(os.path.join(tmp, name), "wb") as f:
+            torch.save(shard, f)
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = sha256(os.path.join(tmp, name))
+    inject_failure(comm, step, "save")
+    every = comm.gather(files, root=0)
+    if comm.Get_rank() == 0:
+        manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                    "step": step, "files": {k: v for d in every for k, v in d.items()}}
+        write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # atomic: the checkpoint is now complete
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)  # make the rename itself durable
+        os.close(fd)
+        for old in checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    comm.Barrier()
+
+
+def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
+    Any problem on any rank is a ConfigError on every rank."""
+    error = manifest = shard = None
+    try:
+        found = checkpoints(root)
+        if not found:
+            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
+                              f"start without --resume to create one")
+        path = found[-1]
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+        if manifest["strategy"] != STRATEGY:
+            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if manifest["step"] >= steps:
+            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
+                              f"train; ask for more steps to continue")
+        if same_world_size and manifest["world_size"] != comm.Get_size():
+            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
+                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
+        if manifest["config"] != config:
+            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
+        name = shard_name(manifest)
+        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
+        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except ConfigError as e:
+        error = str(e)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return manifest, shard
+
+
+# -----------------------------------------------------------------------------
+# Communication: a timeline of spans, and a communicator that counts what passes through it
+# -----------------------------------------------------------------------------
+class Timeline:
+    """Spans of compute and comm on one rank. Nested spans count once (self time)."""
+
+    def __init__(self, device):
+        self.device, self.events, self.stack = device, [], []
+        self.totals = collections.Counter()  # self time per category since the last take()
+
+    @contextlib.contextmanager
+    def span(self, cat, name):
+        sync(self.device)
+        start = time.perf_counter()
+        self.stack.append(0.0)
+        try:
+            yield
+        finally:
+            sync(self.device)
+            end = time.perf_counter()
+            children = self.stack.pop()
+            self.totals[cat] += end - start - children
+            if self.stack:
+                self.stack[-1] += end - start
+            self.events.append((name, cat, start, end))
+
+    def take(self):
+        totals, self.totals = dict(self.totals), collections.Counter()
+        return totals
+
+
+class CountedComm:
+    """An mpi4py communicator that passes every call through, counting calls and payload bytes
+    by kind (allreduce, send, recv) and timing them as 'comm' spans. Anything else goes straight
+    to the communicator, so the strategy could be handed a plain one instead."""
+
+    def __init__(self, comm, timeline):
+        self.comm, self.timeline = comm, timeline
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def _pass(self, kind, buf, call, *args, **kwargs):
+        self.calls[kind] += 1
+        self.bytes[kind] += buf.numel() * buf.element_size()
+        with self.timeline.span("comm", kind):
+            return call(*args, **kwargs)
+
+    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        buf = recvbuf if sendbuf is MPI.IN_PLACE else sendbuf
+        return self._pass("allreduce", buf, self.comm.Allreduce, sendbuf, recvbuf, op=op)
+
+    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        buf = recvbuf if sendbuf is MPI.IN_PLACE else sendbuf
+        return self._pass("allreduce", buf, self.comm.Iallreduce, sendbuf, recvbuf, op=op)
+
+    def Isend(self, buf, dest, tag=0):
+        return self._pass("send", buf, self.comm.Isend, buf, dest=dest, tag=tag)
+
+    def Irecv(self, buf, source, tag=0):
+        return self._pass("recv", buf, self.comm.Irecv, buf, source=source, tag=tag)
+
+
+def wait_quietly(comm):
+    """A barrier that sleeps between polls: ranks with nothing to do leave the cores to rank 0."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_S)
+
+
+# -----------------------------------------------------------------------------
+# MPI and device setup
+# -----------------------------------------------------------------------------
+def setup_device(comm, choice):
+    """One device per rank: cuda:(local rank % GPUs), or the CPU with a fair share of cores."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Oversubscribed ranks that each start one thread per core thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    return device
+
+
+def mpi_library():
+    return MPI.Get_library_version().splitlines()[0].strip()
+
+
+def inject_failure(comm, step, during="step"):
+    """Testing aid: FAIL_AT=RANK:STEP:raise|kill[:save] makes one rank raise or SIGKILL itself
+    at the start of a step, or with ':save' while writing the checkpoint of that step."""
+    spec = os.environ.get("FAIL_AT")
+    if not spec:
+        return
+    rank, at, how, *where = spec.split(":")
+    if int(rank) == comm.Get_rank() and int(at) == step and (where or ["step"])[0] == during:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -----------------------------------------------------------------------------
+# Arguments
+# -----------------------------------------------------------------------------
+class ConfigError(Exception):
+    """An impossible configuration. Every rank finds it the same way and exits 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage on every rank."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+
+def parse_args(argv, world_size):
+    p = Parser(description="Hybrid (data x tensor x pipeline) parallelism over MPI: a small GPT on "
+                           "Python's own source.")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="global batch: samples per optimizer step, whatever the world size")
+    p.add_argument("--lr", type=float, default=0.1, help="learning rate (SGD, momentum 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every N steps")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with single-process training (default: on)")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N steps as well as at the end (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    # The network (the same in every GPT file), then the grid and the axes' own flags.
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    p.add_argument("--dp", type=int, help="data-parallel replicas (default: world size / (tp x pp))")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per replica's share of the batch")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB")
+    args = p.parse_args(argv)
+
+    for name in ("steps", "batch_size", "log_every", "layers", "hidden", "heads", "seq_len", "tp", "pp",
+                 "micro_batches"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for name in ("lr", "bucket_mb"):
+        if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if args.save_every < 0:
+        raise ConfigError(f"--save-every must be 0 or more, got {args.save_every}")
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
+                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
+    if args.seq_len > len(load_text()) - 2:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
+    dp = args.dp if args.dp is not None else world_size // (args.tp * args.pp) or 1
+    if dp <= 0 or dp * args.tp * args.pp != world_size or args.heads % args.tp or args.layers < args.pp:
+        works = [f"--dp {d} --tp {t} --pp {world_size // (d * t)}" for d in range(1, world_size + 1)
+                 for t in range(1, world_size + 1) if world_size % (d * t) == 0
+                 and args.heads % t == 0 and world_size // (d * t) <= args.layers]
+        why = (f"--dp {dp} --tp {args.tp} --pp {args.pp} make {dp * args.tp * args.pp} ranks, this job has "
+               f"{world_size}" if dp * args.tp * args.pp != world_size else
+               f"--tp {args.tp} does not divide --heads {args.heads}" if args.heads % args.tp else
+               f"--pp {args.pp} stages need at least {args.pp} --layers, got {args.layers}")
+        raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} "
+                          f"--layers {args.layers}: {'; '.join(works) or 'none'}")
+    args.dp = dp
+    if args.batch_size % (dp * args.micro_batches):
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {dp} replicas x "
+                          f"{args.micro_batches} micro-batches; use a multiple of {dp * args.micro_batches}")
+    return args
+
+
+def abort_on_exception(kind, value, tb):
+    """An exception on one rank must end the whole job, not leave the others in a collective."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    text = "".join(traceback.format_exception(kind, value, tb))
+    print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    sys.excepthook = abort_on_exception
+    sys.exit(main())
