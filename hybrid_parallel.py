@@ -133,10 +133,9 @@ def allreduce(t, comm, op=MPI.SUM):
     """A new tensor: t summed (or maxed) over comm; on one rank there is nothing to exchange."""
     t = t.detach().clone(memory_format=torch.contiguous_format)
     if comm.Get_size() > 1:
-        buf = mpi_buffer(t)
-        comm.Allreduce(MPI.IN_PLACE, buf, op=op)
-        if buf is not t:
-            t.copy_(buf)
+        buffer = mpi_buffer(t)
+        comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
+        t = from_mpi(t, buffer)
     return t
 
 
@@ -166,22 +165,14 @@ class g(torch.autograd.Function):
         return dy, None
 
 
-def cut(t, dim, rank, size, groups=1, padded=None):
-    """Rank `rank` of `size`'s slice of t along dim. groups=3: t is q, k, v side by side and each
-    rank keeps the same slice of each (its heads). padded: zero rows first, up to that size."""
+def shard(t, dim, comm, groups=1, padded=None):
+    """This rank's slice of t along dim, as a parameter. groups=3: t is q, k, v side by side and
+    the rank keeps the same slice of each (its heads). padded: zero rows first, up to that size."""
     t = t.detach()
     if padded is not None and padded > t.size(dim):
-        shape = list(t.shape)
-        shape[dim] = padded - t.size(dim)
-        t = torch.cat([t, t.new_zeros(shape)], dim)
-    return torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone()
-
-
-def shard(t, dim, comm, groups=1, padded=None):
-    """This rank's slice of t, as a parameter that remembers how it was cut."""
-    p = nn.Parameter(cut(t, dim, comm.Get_rank(), comm.Get_size(), groups, padded))
-    p.partition = (dim, groups, padded)
-    return p
+        t = torch.cat([t, t.new_zeros(t.shape[:dim] + (padded - t.size(dim),) + t.shape[dim + 1:])], dim)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    return nn.Parameter(torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone())
 
 
 class ColumnParallelLinear(nn.Module):
@@ -275,7 +266,7 @@ class Stage(nn.Module):
 
     def __init__(self, model, lo, hi, first, last, comm):
         super().__init__()
-        self.first, self.last, self.lo, self.hidden = first, last, lo, model.norm.normalized_shape[0]
+        self.first, self.last, self.hidden = first, last, model.norm.normalized_shape[0]
         padded = padded_vocab(comm.Get_size())
         if first:
             self.tokens, self.positions = VocabParallelEmbedding(model.tokens, comm, padded), model.positions
@@ -289,13 +280,6 @@ class Stage(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out(self.norm(x)) if self.last else x
-
-    def full_name(self, name):
-        """The full model's name of this stage's parameter `name`."""
-        if name.startswith("blocks."):
-            i, rest = name.removeprefix("blocks.").split(".", 1)
-            return f"blocks.{int(i) + self.lo}.{rest}"
-        return name
 
 
 def layer_split(layers, pp):
@@ -587,11 +571,11 @@ def build_model(args):
     return model
 
 
-def build_stage(args, tp_comm, pp_comm, device):
-    """The full model from the seed on the CPU; this rank keeps its stage's slice, moved alone."""
+def build_stage(args, tp_comm, pp_comm, device, model=None):
+    """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone."""
     s, pp = pp_comm.Get_rank(), pp_comm.Get_size()
     lo, hi = layer_split(args.layers, pp)[s]
-    return Stage(build_model(args), lo, hi, s == 0, s == pp - 1, tp_comm).to(device)
+    return Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, tp_comm).to(device)
 
 
 # -----------------------------------------------------------------------------
@@ -721,7 +705,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
                             timeline, done, config, log=True)
     ran = max(1, args.steps - len(done))  # per-step counts: the training exchanges only
     measured = per_axis(comm, {"tensor": tp_comm, "pipeline": pp_comm, "data": dp_comm}, ran)
-    diff = check(args, comm, device, losses, stage, tp_comm) if args.check else None
+    diff = check(args, comm, device, losses, stage, tp_comm, pp_comm) if args.check else None
     if args.trace:
         write_trace(comm, timeline, args.trace, t0)
     return report(comm, args, device, grid, losses, records, ideal, measured,
@@ -838,30 +822,23 @@ def reference_training(args, device):
     return losses, model
 
 
-def check(args, comm, device, losses, stage, tp_comm):
+def check(args, comm, device, losses, stage, tp_comm, pp_comm):
     """Largest |difference| in losses and in final parameters. Rank 0 trains the reference and
-    broadcasts its parameters; each rank cuts them as its own were cut and compares."""
-    model = build_model(args)
-    names = [name for name, _ in model.named_parameters()]
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(device)
-    diff = 0.0
+    broadcasts its parameters; each rank cuts them as its own stage was cut, and compares."""
+    reference = build_model(args)
+    flat = nn.utils.parameters_to_vector(reference.parameters()).detach()
+    ref_losses = None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args, device)
-        diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        flat = torch.cat([p.detach().reshape(-1) for p in ref_model.parameters()])
+        ref_losses, trained = reference_training(args, device)
+        flat = nn.utils.parameters_to_vector(trained.parameters()).detach().cpu()
     wait_quietly(comm)
-    buf = mpi_buffer(flat)
-    comm.Bcast(buf, root=0)
-    offsets, at = {}, 0
-    for name, p in zip(names, model.parameters()):
-        offsets[name], at = (at, p.shape), at + p.numel()
-    for name, p in stage.named_parameters():
-        lo, shape = offsets[stage.full_name(name)]
-        ref = buf[lo:lo + math.prod(shape)].view(shape).to(device)
-        if hasattr(p, "partition"):
-            dim, groups, padded = p.partition
-            ref = cut(ref, dim, tp_comm.Get_rank(), tp_comm.Get_size(), groups, padded)
-        diff = max(diff, (p.detach().double() - ref.double()).abs().max().item())
+    comm.Bcast(flat, root=0)
+    nn.utils.vector_to_parameters(flat, reference.parameters())
+    ref_stage = build_stage(args, tp_comm, pp_comm, device, reference)
+    ref_losses = comm.bcast(ref_losses, root=0)
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    for (name, p), q in zip(stage.named_parameters(), ref_stage.parameters()):
+        diff = max(diff, (p.detach().double() - q.detach().double()).abs().max().item())
     return comm.allreduce(diff, op=MPI.MAX)
 
 

@@ -122,7 +122,7 @@ def train_on(comm, dp, tp, pp, extra=()):
     formula = hp.formulas(args, grid, comm.allgather(sum(p.numel() for p in stage.parameters())),
                           comm.allgather(len(buckets.buckets)))
     members = [c.comm.allgather(world().Get_rank()) for c in comms]
-    diff = hp.check(args, comm, CPU, losses, stage, comms[0])
+    diff = hp.check(args, comm, CPU, losses, stage, comms[0], comms[1])
     return losses, diff, measured, formula, members
 
 
