@@ -56,9 +56,12 @@ Run:  mpirun -np 8 python hybrid_parallel.py --dp 2 --tp 2 --pp 2      (add --he
 import argparse
 import collections
 import contextlib
+import ctypes
+import errno
 import functools
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -68,6 +71,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 
 import torch
 import torch.nn as nn
@@ -81,9 +85,9 @@ STRATEGY = "hybrid_parallel"
 # the most), 2x2x2 on 8 ranks within 5.4e-7: the level of tensor_parallel.py and
 # pipeline_parallel.py, whose 2e-5 this keeps (a 10 x 2e-5 nudge of one weight must show).
 TOLERANCE = 2e-5
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
-POLL_S = 1e-4  # a rank waiting for a peer sleeps between polls and leaves the core to ranks that compute
 
 
 # -----------------------------------------------------------------------------
@@ -112,18 +116,34 @@ def make_grid(comm, dp, tp, pp):
     return tp_comm, pp_comm, dp_comm
 
 
-def mpi_buffer(t, nonblocking=False, send=True):
-    """The buffer MPI reads and writes: t, or a host copy of a CUDA tensor (an MPI that is not
-    CUDA-aware cannot read GPU memory); send=False: an empty one to receive into."""
-    if t.is_cuda:
-        torch.cuda.current_stream().synchronize()
-        return t.cpu() if send else torch.empty(t.shape, dtype=t.dtype)
-    return t
+# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
+# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+CUDA_AWARE = False
+
+
+def mpi_buffer(t, nonblocking=False):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
+    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
+
+
+def receive_buffer(t):
+    """Where a receive for t lands: t itself, or an empty pinned host buffer (nothing to copy in)."""
+    return t if not t.is_cuda or CUDA_AWARE else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 def from_mpi(t, buffer):
-    """t, holding what MPI wrote into buffer."""
-    return t if buffer is t else t.copy_(buffer)
+    """Bring what MPI wrote into a host copy back to t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
 
 
 # -----------------------------------------------------------------------------
@@ -469,7 +489,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, tp_comm, pp_comm, ti
 
     def post(a):  # a receive from the previous stage (activations) or the next (gradients)
         t = torch.empty(shape, device=x.device)
-        buffer = mpi_buffer(t, nonblocking=True, send=False)
+        buffer = receive_buffer(t)
         source = s - 1 if a.op == "recv_act" else s + 1
         recvs[a] = (pp_comm.Irecv(buffer, source=source, tag=tag(a.op, a.mb)), t, buffer)
 
@@ -499,10 +519,10 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, tp_comm, pp_comm, ti
                 outputs.pop(a.mb).backward(None if s == last_stage else received.pop(Action("recv_grad", a.mb)))
             grads[a.mb] = inputs.pop(a.mb).grad
         elif a.op == "send_act":
-            buffer = mpi_buffer(outputs[a.mb].detach(), nonblocking=True)
+            buffer = mpi_buffer(outputs[a.mb].detach())
             sends.append((pp_comm.Isend(buffer, dest=s + 1, tag=tag(a.op, a.mb)), buffer))
         elif a.op == "send_grad":
-            buffer = mpi_buffer(grads.pop(a.mb).contiguous(), nonblocking=True)
+            buffer = mpi_buffer(grads.pop(a.mb).contiguous())
             sends.append((pp_comm.Isend(buffer, dest=s - 1, tag=tag(a.op, a.mb)), buffer))
         elif a.op == "reduce":
             buckets.finish()
@@ -607,208 +627,86 @@ def share_of(x, y, replica, replicas):
 # -----------------------------------------------------------------------------
 # The run
 # -----------------------------------------------------------------------------
-def train(args, world, comms, device, stage, optimizer, buckets, timeline, done=(), config=None, log=False):
-    """The steps after the `done` ones (their losses, from a checkpoint), saving checkpoints of
-    `config`'s model with --save. Returns the losses of all steps (the global batch's, on every
-    rank) and the new steps' timings."""
-    tp_comm, pp_comm, dp_comm = comms
+def train(args, comm, counted, device, stage, optimizer, buckets, timeline, past=()):
+    """The steps after the `past` ones (their losses, from a checkpoint). Returns the global
+    batch's losses of all steps, on every rank, and this rank's timings of the new ones."""
+    tp_comm, pp_comm, dp_comm = counted["tensor"], counted["pipeline"], counted["data"]
     actions = one_f_one_b(pp_comm.Get_size(), args.micro_batches, pp_comm.Get_rank())
     reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
+    config = {"grid": {"dp": args.dp, "tp": args.tp, "pp": args.pp}, **model_config(args)}
     losses, records = [], []
-    for step in range(len(done), args.steps):
-        inject_failure(world, step)
+    for step in range(len(past), args.steps):
+        inject_failure(comm, step, model=stage)
         start = time.perf_counter()
         x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len),
                         dp_comm.Get_rank(), dp_comm.Get_size())
         losses.append(train_step(stage, optimizer, buckets, actions, x.to(device), y.to(device),
                                  args.micro_batches, tp_comm, pp_comm, timeline))
-        sync(device)
-        record = {"step_s": time.perf_counter() - start, **{f"{k}_s": v for k, v in timeline.take().items()}}
-        record["wait_s"] = record.pop("idle_s", 0.0)  # blocked on a peer: the bubble
-        record["idle_s"] = max(0.0, record["step_s"] - record.get("compute_s", 0) - record.get("comm_s", 0))
-        records.append(record)
-        if log and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
-            loss = global_losses(world, losses[-1:], reports, dp_comm.Get_size())[0]
-            say(world, f"step {step + 1}/{args.steps} | loss {loss:.4f} | "
-                       f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
-                       f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+        records.append(timeline.step_record(start))
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, args.dp)[0], records[-1])
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            so_far = list(done) + global_losses(world, losses, reports, dp_comm.Get_size())
-            shard_state = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(), "losses": so_far}
-            save_checkpoint(world, args.save, step + 1, shard_state, config)
-    return list(done) + global_losses(world, losses, reports, dp_comm.Get_size()), records
+            so_far = list(past) + global_losses(comm, losses, reports, args.dp)
+            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(), "losses": so_far}
+            save_checkpoint(comm, args.save, step + 1, shard, config)
+    return list(past) + global_losses(comm, losses, reports, args.dp), records
 
 
-def global_losses(world, losses, reports, dp):
-    """The global batch's losses on every rank: the mean of the replicas' losses, which only the
-    last stage knows (reporting only: on the world communicator, not counted)."""
-    t = torch.tensor(losses if reports else [0.0] * len(losses), dtype=torch.float64)
-    world.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)
-    return (t / dp).tolist()
+def global_losses(comm, losses, reports, dp):
+    """The global batch's losses: the mean of the replicas', which only their last stage knows
+    (`reports`: one rank of it). Reporting only: on the plain communicator, not counted."""
+    total = torch.tensor(losses if reports else [0.0] * len(losses), dtype=torch.float64)
+    comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+    return (total / dp).tolist()
 
 
-def formulas(args, grid, stage_params, stage_buckets):
-    """Per step, summed over the grid, by axis: (collectives, point-to-point messages, bytes).
-    stage_params, stage_buckets: every rank's count of parameters and of gradient buckets."""
-    D, T, P, M = grid["dp"], grid["tp"], grid["pp"], args.micro_batches
-    L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
-    activation = 4 * B * S * h
-    replicated = S * h + 6 * L * h + 2 * h
-    full = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h
-    assert sum(stage_params) == D * (full + (T - 1) * replicated)  # what each rank holds, added up
-    return {"tensor": (D * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1)),
-            "pipeline": (0, 2 * M * (P - 1) * D * T, 2 * (P - 1) * T * activation),
-            "data": (sum(stage_buckets) // D * (D > 1), 0, D * 4 * (full + (T - 1) * replicated) * (D > 1))}
+def model_config(args):
+    return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+            "seq_len": args.seq_len, "vocab": VOCAB}
 
 
 def main(argv=None, comm=MPI.COMM_WORLD):
-    rank, world_size = comm.Get_rank(), comm.Get_size()
+    """Parse, set up, train, check, report. Returns the exit status of this rank."""
     try:
-        args = parse_args(argv, world_size)
+        args = parse_args(argv, comm.Get_size())
+        check_paths(comm, args)
+        run = setup(comm, args)
+        # Every rank writes the lists of all ranks and proves them on paper: all reach one verdict.
+        lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.tp)[1])
+                 for r in range(comm.Get_size())]
+        ideal, _ = dry_run(lists, args.dp, args.tp, args.micro_batches)
+        axes = make_grid(comm, args.dp, args.tp, args.pp)
+        counted = {axis: CountedComm(c, run.timeline) for axis, c in zip(("tensor", "pipeline", "data"), axes)}
+        stage = build_stage(args, counted["tensor"], counted["pipeline"], run.device)
+        optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+        buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+        past, resumed = [], None
+        if args.resume:
+            config = {"grid": {"dp": args.dp, "tp": args.tp, "pp": args.pp}, **model_config(args)}
+            resumed, shard = load_checkpoint(comm, args.save, config, lambda manifest: f"rank-{comm.Get_rank()}.pt",
+                                             args.steps, same_world_size=True)
+            past = restore(stage, optimizer, shard)
+        print_header(comm, args, run, stage, buckets, resumed)
+        losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets, run.timeline, past)
     except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    grid = {"dp": args.dp, "tp": args.tp, "pp": args.pp}
-    comm.Barrier()
-    t0 = time.perf_counter()  # the trace's zero, about the same moment on every rank
-    device = setup_device(comm, args.device)
-    timeline = Timeline(device)
-    # Every rank makes and proves the lists of all ranks, so all reach the same verdict.
-    lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.tp)[1])
-             for r in range(world_size)]
-    ideal, _ = dry_run(lists, args.dp, args.tp, args.micro_batches)
-    tp_comm, pp_comm, dp_comm = (CountedComm(c, timeline) for c in make_grid(comm, args.dp, args.tp, args.pp))
-    stage = build_stage(args, tp_comm, pp_comm, device)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-    buckets = GradBuckets(stage.parameters(), dp_comm, args.bucket_mb * 2**20)
-    config = {"grid": grid, "model": "GPT", "layers": args.layers, "hidden": args.hidden,
-              "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}  # what a shard belongs to
-    done = []
-    if args.resume:
-        try:
-            manifest, saved = load_checkpoint(comm, args.save, config, lambda m: f"rank-{rank}.pt",
-                                              args.steps, same_world_size=True)
-        except ConfigError as e:
-            if rank == 0:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            return 2
-        stage.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        done = saved["losses"]
-        say(comm, f"resumed from {args.save} at step {manifest['step']} "
-                  f"(written by {manifest['world_size']} ranks)")
-    stage_params = comm.allgather(sum(p.numel() for p in stage.parameters()))
-    stage_buckets = comm.allgather(len(buckets.buckets))
-    header(comm, args, device, stage_params, stage_buckets)
-    losses, records = train(args, comm, (tp_comm, pp_comm, dp_comm), device, stage, optimizer, buckets,
-                            timeline, done, config, log=True)
-    ran = max(1, args.steps - len(done))  # per-step counts: the training exchanges only
-    measured = per_axis(comm, {"tensor": tp_comm, "pipeline": pp_comm, "data": dp_comm}, ran)
-    diff = check(args, comm, device, losses, stage, tp_comm, pp_comm) if args.check else None
+        print0(comm, f"error: {e}", file=sys.stderr)
+        return e.status
+    diff = check(comm, args, run.device, losses, stage, counted) if args.check else None
     if args.trace:
-        write_trace(comm, timeline, args.trace, t0)
-    return report(comm, args, device, grid, losses, records, ideal, measured,
-                  formulas(args, grid, stage_params, stage_buckets), diff)
+        write_trace(comm, run.timeline, args.trace)
+    return report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff)
 
 
 # =============================================================================
-# You may stop here: the strategy is above. Below is the machinery every file repeats: the check
-# against one process, the report, checkpoints, counters and timeline, setup, arguments.
+# You may stop reading here: the strategy is all above. Below is the machinery that every
+# strategy file repeats in the same order and the same words: the check against single-process
+# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
 # =============================================================================
-def header(comm, args, device, stage_params, stage_buckets):
-    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
-    where = " ".join(f"{r}:{coordinates(r, D, T)}" for r in range(comm.Get_size()))
-    stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" +
-                        " + norm, head, loss" * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
-    say(comm, f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
-        f"CUDA buffers: {'n/a (CPU)' if device.type == 'cpu' else 'staged through host memory'} | model: GPT, "
-        f"{args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
-        f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
-        f"grid: dp {D} x tp {T} x pp {P} | rank: (dp, pp, tp) {where}",
-        f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
-        f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows",
-        f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
-        f"sequences of {args.seq_len} characters | schedule 1f1b, dry run of every rank's actions on the "
-        f"grid: each send meets its receive, each group meets in its collectives, no deadlock",
-        f"parameters per rank: {' '.join(map(str, stage_params))} | gradient buckets per rank: "
-        f"{' '.join(map(str, stage_buckets))} of <= {args.bucket_mb:g} MB")
 
-
-def per_axis(world, comms, ran):
-    """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
-    counted once per group: its calls summed over ranks, divided by the group's size."""
-    out = {}
-    for axis, c in comms.items():
-        calls = world.allreduce(c.calls["Allreduce"] + c.calls["Iallreduce"])
-        volume = world.allreduce(c.bytes["Allreduce"] + c.bytes["Iallreduce"] + c.bytes["Isend"])
-        out[axis] = (calls / c.Get_size() / ran, world.allreduce(c.calls["Isend"]) / ran, volume / ran)
-    return out
-
-
-def report(comm, args, device, grid, losses, records, ideal, measured, formula, diff):
-    """The summary on rank 0, and the JSON line with --json; returns the exit status."""
-    D, T, P, M = grid["dp"], grid["tp"], grid["pp"], args.micro_batches
-    slowest, _ = step_summary(comm, records)
-    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
-    theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
-    pipeline = [ideal[rank_at(0, p, 0, D, T)] for p in range(P)]
-    slots = max(e for row in pipeline for _, _, e in row)
-    text = {"tensor": ("allreduces D x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
-            "pipeline": ("messages 2M(P - 1) x D x T", "2(P - 1) x T x 4BSh"),
-            "data": ("allreduces: one per bucket per (pp, tp) group", "D x 4W")}
-    say(comm, f"ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
-        *draw_timeline(pipeline, slots, slots, len(f"B{M - 1}") + 1),
-        f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
-        f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
-        f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
-        f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
-        f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
-        "communication per step, summed over the grid, measured | formula:",
-        *(f"  {axis:8} {measured[axis][0 if axis != 'pipeline' else 1]:g} "
-          f"{'messages' if axis == 'pipeline' else 'collectives'}, {measured[axis][2]:,.0f} bytes | "
-          f"{text[axis][0]} = {formula[axis][0 if axis != 'pipeline' else 1]}, {text[axis][1]} = "
-          f"{formula[axis][2]:,}" for axis in ("tensor", "pipeline", "data")))
-    ok = diff is None or diff <= TOLERANCE
-    if diff is not None:
-        say(comm, f"check against single-process training: max |diff| {diff:.2e} "
-                  f"(losses, parameters; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
-    if args.json:
-        say(comm, json.dumps({
-            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": device.type,
-            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
-            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
-            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"],
-            "comm_bytes_per_step": sum(m[2] for m in measured.values()),
-            "collectives_per_step": sum(m[0] for m in measured.values()), "check_max_abs_diff": diff,
-            "grid": grid, "micro_batches": M, "layer_split": layer_split(args.layers, P),
-            "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
-            "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
-            "messages_per_step": measured["pipeline"][1],
-            "formula_by_axis": {a: {"collectives": v[0], "messages": v[1], "bytes": v[2]} for a, v in formula.items()},
-            "bubble_fraction": bubble, "bubble_fraction_theory": theory,
-            "bubble_fraction_dry_run": 1 - 2 * M / slots}))
-    return 0 if ok else 1
-
-
-def draw_timeline(rows, length, columns, width):
-    """One line per stage, [0, length) cut into equal cells: a cell shows the span over its middle."""
-    lines, cell = [], length / columns
-    for r, spans in enumerate(rows):
-        cells = ["."] * columns
-        for name, s, e in spans:
-            for c in range(math.ceil(s / cell - 0.5), min(columns, math.ceil(e / cell - 0.5))):
-                cells[c] = name
-        lines.append(f"stage {r} | " + "".join(c.ljust(width) for c in cells).rstrip())
-    return lines
-
-
-# -----------------------------------------------------------------------------
-# Check against single-process training
-# -----------------------------------------------------------------------------
+# --- Check against single-process training -----------------------------------
 def reference_training(args, device):
-    """The same steps in one plain process: the unsplit GPT, the whole batch at once, nn.Linear,
-    F.cross_entropy, no MPI."""
+    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear
+    and F.cross_entropy, no MPI."""
     model = build_model(args).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     losses = []
@@ -821,115 +719,228 @@ def reference_training(args, device):
         losses.append(loss.item())
     return losses, model
 
-
-def check(args, comm, device, losses, stage, tp_comm, pp_comm):
-    """Largest |difference| in losses and in final parameters. Rank 0 trains the reference and
-    broadcasts its parameters; each rank cuts them as its own stage was cut, and compares."""
-    reference = build_model(args)
+def check(comm, args, device, losses, stage, counted):
+    """Rank 0 trains the reference (the whole model fits where it runs) and broadcasts it; each
+    rank cuts it as its own stage was cut and compares; every rank gets the largest difference."""
+    reference, ref_losses = build_model(args), None
     flat = nn.utils.parameters_to_vector(reference.parameters()).detach()
-    ref_losses = None
     if comm.Get_rank() == 0:
         ref_losses, trained = reference_training(args, device)
         flat = nn.utils.parameters_to_vector(trained.parameters()).detach().cpu()
-    wait_quietly(comm)
-    comm.Bcast(flat, root=0)
+    request = comm.Ibcast(flat, root=0)
+    while not request.Test():
+        time.sleep(POLL_S)  # the waiting ranks leave the cores to rank 0
     nn.utils.vector_to_parameters(flat, reference.parameters())
-    ref_stage = build_stage(args, tp_comm, pp_comm, device, reference)
-    ref_losses = comm.bcast(ref_losses, root=0)
-    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    for (name, p), q in zip(stage.named_parameters(), ref_stage.parameters()):
-        diff = max(diff, (p.detach().double() - q.detach().double()).abs().max().item())
+    ref_stage = build_stage(args, counted["tensor"], counted["pipeline"], device, reference)
+    diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), ref_stage)
     return comm.allreduce(diff, op=MPI.MAX)
 
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's."""
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    ref_state = ref_model.state_dict()
+    for name, t in state.items():
+        diff = max(diff, (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item())
+    return diff
 
-# -----------------------------------------------------------------------------
-# Report
-# -----------------------------------------------------------------------------
+# --- Report: header, progress, summary, --json, --trace ----------------------
+def print_header(comm, args, run, stage, buckets, resumed):
+    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    per_rank = comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
+    where = " ".join(f"{r}:{coordinates(r, D, T)}" for r in range(comm.Get_size()))
+    stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
+                        * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
+    if resumed:
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
+                     f"(written by {resumed['world_size']} ranks)")
+    print0(comm, *run.header,
+           f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
+           f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
+           f"grid: dp {D} x tp {T} x pp {P} | rank: (dp, pp, tp) {where}",
+           f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
+           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows",
+           f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
+           f"sequences of {args.seq_len} characters | schedule 1f1b, dry run of every rank's actions on the "
+           f"grid: each send meets its receive, each group meets in its collectives, no deadlock",
+           f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: "
+           f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB")
+
+def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
+    """The summary, the check's verdict and --json; returns the exit status."""
+    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    grid, steps_run = {"dp": D, "tp": T, "pp": P}, max(1, len(records))
+    measured = per_axis(comm, counted, steps_run)
+    formula = formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
+                       comm.allgather(len(buckets.buckets)))
+    slowest = step_summary(comm, records)
+    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
+    theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
+    pipeline = [ideal[rank_at(0, p, 0, D, T)] for p in range(P)]
+    slots = max(e for row in pipeline for _, _, e in row)
+    text = {"tensor": ("allreduces D x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
+            "pipeline": ("messages 2M(P - 1) x D x T", "2(P - 1) x T x 4BSh"),
+            "data": ("allreduces: one per bucket per (pp, tp) group", "D x 4W")}
+    print0(comm, "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
+           *draw_timeline(pipeline, slots, len(f"B{M - 1}") + 1),
+           f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
+           f"{math.log(VOCAB):.4f})", summary_line(slowest),
+           f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
+           f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
+           "communication per step, summed over the grid, measured | formula:",
+           *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
+             f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
+             for axis, k in (("tensor", 0), ("pipeline", 1), ("data", 0))))
+    ok = verdict(comm, diff, "losses, parameters")
+    if args.json:
+        print0(comm, json.dumps({
+            **house_keys(comm, args, run, losses, slowest, diff),
+            "comm_bytes_per_step": sum(m[2] for m in measured.values()),
+            "collectives_per_step": sum(m[0] for m in measured.values()),
+            "grid": grid, "micro_batches": M, "layer_split": layer_split(args.layers, P),
+            "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
+            "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
+            "messages_per_step": measured["pipeline"][1],
+            "formula_by_axis": {a: dict(zip(("collectives", "messages", "bytes"), v)) for a, v in formula.items()},
+            "bubble_fraction": bubble, "bubble_fraction_theory": theory,
+            "bubble_fraction_dry_run": 1 - 2 * M / slots}))
+    return 0 if ok else 1
+
+def per_axis(comm, counted, steps_run):
+    """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
+    counted once per group: its calls summed over the ranks, divided by the group's size."""
+    out = {}
+    for axis, c in counted.items():
+        calls = comm.allreduce(c.calls["Allreduce"] + c.calls["Iallreduce"]) / c.Get_size()
+        volume = comm.allreduce(c.bytes["Allreduce"] + c.bytes["Iallreduce"] + c.bytes["Isend"])
+        out[axis] = (calls / steps_run, comm.allreduce(c.calls["Isend"]) / steps_run, volume / steps_run)
+    return out
+
+def formulas(args, stage_params, stage_buckets):
+    """The docstring's formulas by axis: (collectives, messages, bytes) per step over the grid.
+    stage_params, stage_buckets: every rank's count of parameters and of gradient buckets."""
+    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
+    activation, replicated = 4 * B * S * h, S * h + 6 * L * h + 2 * h
+    W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
+    assert sum(stage_params) == D * W  # what the ranks hold, added up
+    return {"tensor": (D * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1)),
+            "pipeline": (0, 2 * M * (P - 1) * D * T, 2 * (P - 1) * T * activation),
+            "data": (sum(stage_buckets) // D * (D > 1), 0, D * 4 * W * (D > 1))}
+
+def draw_timeline(rows, slots, width):
+    """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
+    lines = []
+    for s, spans in enumerate(rows):
+        cells = ["."] * slots
+        for name, start, _ in spans:
+            cells[start] = name
+        lines.append(f"stage {s} | " + "".join(c.ljust(width) for c in cells).rstrip())
+    return lines
+
+def print_progress(comm, args, step, loss, record):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
+                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+
+def summary_line(slowest):
+    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
+
+def verdict(comm, diff, compared):
+    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+    ok = diff is None or diff <= TOLERANCE
+    if diff is not None:
+        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
+                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+def house_keys(comm, args, run, losses, slowest, diff):
+    """The JSON keys every strategy file reports."""
+    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
+            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
+
 def step_summary(comm, records):
     """Medians over steps after the first, of the slowest rank (by median step time)."""
-    per_rank = comm.allgather(records)
-    medians = []
-    for recs in per_rank:
-        recs = recs[1:] or recs
-        medians.append({k: statistics.median(r.get(k, 0.0) for r in recs)
-                        for k in ("step_s", "compute_s", "comm_s", "idle_s")})
-    return max(medians, key=lambda m: m["step_s"]), medians
+    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
+               for rank_records in comm.allgather(records)]
+    return max(medians, key=lambda m: m["step_s"])
 
-
-def write_trace(comm, timeline, path, t0):
+def write_trace(comm, timeline, path):
     """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
-    events = comm.gather([(n, c, s - t0, e - t0) for n, c, s, e in timeline.events], root=0)
-    if comm.Get_rank() != 0:
-        return
-    trace = []
-    for rank, evs in enumerate(events):
-        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
-        trace += [{"name": n, "cat": c, "ph": "X", "pid": rank, "tid": 0,
-                   "ts": s * 1e6, "dur": (e - s) * 1e6} for n, c, s, e in evs]
-    with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-
-
-def say(comm, *lines):
+    events = comm.gather(timeline.events, root=0)
     if comm.Get_rank() == 0:
-        print(*lines, sep="\n", flush=True)
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
+        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
+                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
+        with open(path, "w") as out:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
 
+def print0(comm, *lines, file=sys.stdout):
+    if comm.Get_rank() == 0:  # rank 0 alone prints
+        print(*lines, sep="\n", file=file, flush=True)
 
-# -----------------------------------------------------------------------------
-# Checkpoints: a folder appears whole or not at all
-# -----------------------------------------------------------------------------
+# --- Checkpoints: a folder appears whole or not at all ------------------------
 def checkpoints(root):
     """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
     names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
                    if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
     return [os.path.join(root, n) for n in names]
 
-
 def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
+    with open(path, "rb") as stream:
+        return hashlib.sha256(stream.read()).hexdigest()
 
 def write_durably(path, data):
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
+    with open(path, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
     """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
     manifest and renames the folder to step-N: a job killed before the rename leaves the
-    previous checkpoint as it was. The folder must be on a file system every rank sees."""
-    final = os.path.join(root, f"step-{step:06d}")
-    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
+    every rank with one line, the previous checkpoint whole."""
+    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    files, error = {}, None
     if comm.Get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
     comm.Barrier()
-    files = {}
-    if shard is not None:
-        name = f"rank-{comm.Get_rank()}.pt"
-        with open(os.path.join(tmp, name), "wb") as f:
-            torch.save(shard, f)
-            f.flush()
-            os.fsync(f.fileno())
-        files[name] = sha256(os.path.join(tmp, name))
-    inject_failure(comm, step, "save")
-    every = comm.gather(files, root=0)
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        inject_failure(comm, step, "save")
+        if shard is not None:
+            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
+            torch.save(shard, stream)
+            write_durably(os.path.join(tmp, name), stream.getvalue())
+            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+    except OSError as e:
+        error = f"rank {comm.Get_rank()}: {e}"
+    gathered = comm.gather((files, error), root=0)
     if comm.Get_rank() == 0:
-        manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
-                    "step": step, "files": {k: v for d in every for k, v in d.items()}}
-        write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # atomic: the checkpoint is now complete
-        fd = os.open(root, os.O_RDONLY)
-        os.fsync(fd)  # make the rename itself durable
-        os.close(fd)
-        for old in checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
-    comm.Barrier()
-
+        error = next((e for _, e in gathered if e), None)
+        try:
+            if error is None:
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # atomic: the checkpoint is now complete
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)  # make the rename itself durable
+                os.close(fd)
+                for old in checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (checkpoints(root) or ["none"])[-1]
+        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
+                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
     """The latest complete checkpoint's manifest and the shard this rank needs, verified.
@@ -941,8 +952,8 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
             raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
                               f"start without --resume to create one")
         path = found[-1]
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
+        with open(os.path.join(path, "manifest.json")) as stream:
+            manifest = json.load(stream)
         if manifest["strategy"] != STRATEGY:
             raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
         if manifest["step"] >= steps:
@@ -966,217 +977,311 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         raise ConfigError(errors[0])
     return manifest, shard
 
+def restore(stage, optimizer, shard):
+    """Load this rank's shard (the same grid wrote it); returns the losses so far."""
+    stage.load_state_dict(shard["model"])
+    optimizer.load_state_dict(shard["optimizer"])
+    return shard["losses"]
 
-# -----------------------------------------------------------------------------
-# Communication: a timeline of spans, and a communicator that counts what passes through it
-# -----------------------------------------------------------------------------
+# --- Counters and timeline: measured around the strategy's own MPI calls -----
 class Timeline:
-    """Spans of compute and comm on one rank. Nested spans count once (self time)."""
+    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
+    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
+    (step_record), so that timing never stalls the device in the middle of a step."""
 
     def __init__(self, device):
-        self.device, self.events, self.stack = device, [], []
-        self.totals = collections.Counter()  # self time per category since the last take()
+        self.cuda = device.type == "cuda"
+        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
+        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, mark):
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
 
     @contextlib.contextmanager
     def span(self, cat, name):
-        sync(self.device)
-        start = time.perf_counter()
-        self.stack.append(0.0)
+        start, children = self._mark(), []
+        self.open.append(children)
         try:
             yield
         finally:
-            sync(self.device)
-            end = time.perf_counter()
-            children = self.stack.pop()
-            self.totals[cat] += end - start - children
-            if self.stack:
-                self.stack[-1] += end - start
-            self.events.append((name, cat, start, end))
+            self.open.pop()
+            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
 
-    def take(self):
-        totals, self.totals = dict(self.totals), collections.Counter()
-        return totals
+    def step_record(self, start):
+        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
+        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once a step: every event of the step has happened
+        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
 
+        def own_time(name, cat, start_mark, end_mark, children):
+            begin, end = self._seconds(start_mark), self._seconds(end_mark)
+            self.events.append((name, cat, begin, end))
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            return end - begin
+
+        for span in self.closed:
+            own_time(*span)
+        self.closed = []
+        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
+        return record
 
 class CountedComm:
-    """An mpi4py communicator that passes every call through, counting calls and payload bytes
-    by MPI method name and timing them as 'comm' spans; its requests' Wait() sleeps between Tests
-    (point-to-point waits are 'idle' spans). Anything else goes straight to the communicator."""
+    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
+    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
+    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
+    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+
+    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
+               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
 
     def __init__(self, comm, timeline):
         self.comm, self.timeline = comm, timeline
         self.calls, self.bytes = collections.Counter(), collections.Counter()
 
+    def reset(self):
+        self.calls.clear(), self.bytes.clear()
+
     def __getattr__(self, name):
-        return getattr(self.comm, name)
+        call = getattr(self.comm, name)
+        if name not in self.COUNTED:
+            return call
 
-    def _pass(self, name, buf, *args, **kwargs):
-        self.calls[name] += 1
-        self.bytes[name] += buf.numel() * buf.element_size()
-        with self.timeline.span("comm", name):
-            result = getattr(self.comm, name)(*args, **kwargs)
-        return CountedRequest(result, self.timeline, name) if name.startswith("I") else result
-
-    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
-        return self._pass("Allreduce", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf, sendbuf, recvbuf, op=op)
-
-    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
-        return self._pass("Iallreduce", recvbuf if sendbuf is MPI.IN_PLACE else sendbuf, sendbuf, recvbuf, op=op)
-
-    def Isend(self, buf, dest, tag=0):
-        return self._pass("Isend", buf, buf, dest=dest, tag=tag)
-
-    def Irecv(self, buf, source, tag=0):
-        return self._pass("Irecv", buf, buf, source=source, tag=tag)
-
+        def counted(*args, **kwargs):
+            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
+            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+            self.calls[name] += 1
+            self.bytes[name] += buffer.numel() * buffer.element_size()
+            with self.timeline.span("comm", name):
+                result = call(*args, **kwargs)
+            if not isinstance(result, MPI.Request):
+                return result
+            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
+        return counted
 
 class CountedRequest:
-    """A request whose Wait() sleeps between Tests, timed: waiting for a peer is idle."""
-
-    def __init__(self, request, timeline, name):
-        self.request, self.timeline, self.name = request, timeline, name
+    def __init__(self, request, timeline, cat, name):
+        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
 
     def Test(self):
         return self.request.Test()
 
     def Wait(self):
-        with self.timeline.span("idle" if self.name in ("Isend", "Irecv") else "comm", self.name + " wait"):
+        with self.timeline.span(self.cat, self.name + " wait"):
             while not self.request.Test():
                 time.sleep(POLL_S)
 
-
-def wait_quietly(comm):
-    """A barrier that sleeps between polls: ranks with nothing to do leave the cores to rank 0."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(POLL_S)
-
-
-# -----------------------------------------------------------------------------
-# MPI and device setup
-# -----------------------------------------------------------------------------
-def setup_device(comm, choice):
-    """One device per rank: cuda:(local rank % GPUs), or the CPU with a fair share of cores."""
+# --- Device and MPI setup -----------------------------------------------------
+def setup(comm, args):
+    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    global CUDA_AWARE
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    if args.device == "cuda" or (args.device == "auto" and gpus):
+        device = torch.device("cuda", local_rank % gpus)
         torch.cuda.set_device(device)
+        check_thread_level(MPI.Query_thread())
+        CUDA_AWARE = mpi_cuda_aware(comm)
+        if args.check:  # float32 against float32: no TF32 in the run or in the reference
+            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
     else:
-        device = torch.device("cpu")
-        # Oversubscribed ranks that each start one thread per core thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
-    return device
+        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
+        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
+        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+    comm.Barrier()  # the timeline's zero, about the same moment on every rank
+    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
 
+def mpi_cuda_aware(comm):
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
+    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        kinds = None
+    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    forced = os.environ.get("MPI_CUDA_AWARE")
+    if forced == "1" and says is False:
+        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
+                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
+                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
+    return forced == "1" if forced in ("0", "1") else bool(says)
+
+def cuda_in_kinds(kinds):
+    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
+    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
+    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
+
+def mpix_query_cuda_support():
+    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
+    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
+    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    return None
+
+def check_thread_level(provided):
+    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
+    if provided < MPI.THREAD_SERIALIZED:
+        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
+                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
+                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
 
 def mpi_library():
-    return MPI.Get_library_version().splitlines()[0].strip()
+    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
+    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
+    return text.strip().splitlines()[0].strip()
 
-
-def inject_failure(comm, step, during="step"):
-    """Testing aid: FAIL_AT=RANK:STEP:raise|kill[:save] makes one rank raise or SIGKILL itself
-    at the start of a step, or with ':save' while writing the checkpoint of that step."""
-    spec = os.environ.get("FAIL_AT")
-    if not spec:
+def inject_failure(comm, step, during="step", model=None):
+    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
+    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
+    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
+    spec = os.environ.get("FAIL_AT", "")
+    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
+    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
         return
-    rank, at, how, *where = spec.split(":")
-    if int(rank) == comm.Get_rank() and int(at) == step and (where or ["step"])[0] == during:
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "oserror":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
+    if how != "nudge":
         raise RuntimeError(f"injected failure (FAIL_AT={spec})")
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# -----------------------------------------------------------------------------
-# Arguments
-# -----------------------------------------------------------------------------
+# --- Arguments, and the paths a run will write, checked before anything is built
 class ConfigError(Exception):
-    """An impossible configuration. Every rank finds it the same way and exits 2."""
+    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
+    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
 
+    def __init__(self, message, status=2):
+        super().__init__(message)
+        self.status = status
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage on every rank."""
 
     def error(self, message):
-        raise ConfigError(message)
+        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
+                          else message)
 
     def _print_message(self, message, file=None):
         if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
             super()._print_message(message, file)
 
+def checked(kind, ok, must):
+    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
+        return value
+    return parse
 
-def parse_args(argv, world_size):
-    p = Parser(description="Hybrid (data x tensor x pipeline) parallelism over MPI: a small GPT on "
-                           "Python's own source.")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="global batch: samples per optimizer step, whatever the world size")
-    p.add_argument("--lr", type=float, default=0.1, help="learning rate (SGD, momentum 0.9)")
+COUNT = checked(int, lambda v: v > 0, "a positive integer")
+COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
+AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+
+def common_arguments(description, steps, batch_size, lr, log_every):
+    p = Parser(description=description)
+    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
+    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every N steps")
+    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare with single-process training (default: on)")
     p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
-    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
-    p.add_argument("--save-every", type=int, default=0,
-                   help="checkpoint every N steps as well as at the end (0: at the end only)")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
+    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
-    # The network (the same in every GPT file), then the grid and the axes' own flags.
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
-    p.add_argument("--dp", type=int, help="data-parallel replicas (default: world size / (tp x pp))")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per replica's share of the batch")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB")
-    args = p.parse_args(argv)
+    return p
 
-    for name in ("steps", "batch_size", "log_every", "layers", "hidden", "heads", "seq_len", "tp", "pp",
-                 "micro_batches"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    for name in ("lr", "bucket_mb"):
-        if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
-    if args.save_every < 0:
-        raise ConfigError(f"--save-every must be 0 or more, got {args.save_every}")
+def check_common(args):
     if args.resume and not args.save:
         raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
     if args.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return args
+
+def parse_args(argv, world_size):
+    p = common_arguments("Hybrid (data x tensor x pipeline) parallelism over MPI: a small GPT on Python's "
+                         "own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (tp x pp))")
+    p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--pp", type=COUNT, default=1, help="pipeline stages")
+    p.add_argument("--micro-batches", type=COUNT, default=4, help="micro-batches per replica's share")
+    p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
+    args = check_common(p.parse_args(argv))
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
                           f"multiple of {args.heads}, or --heads that divides {args.hidden}")
     if args.seq_len > len(load_text()) - 2:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
-    dp = args.dp if args.dp is not None else world_size // (args.tp * args.pp) or 1
-    if dp <= 0 or dp * args.tp * args.pp != world_size or args.heads % args.tp or args.layers < args.pp:
+    D, T, P = args.dp or max(1, world_size // (args.tp * args.pp)), args.tp, args.pp
+    if D * T * P != world_size or args.heads % T or args.layers < P:
         works = [f"--dp {d} --tp {t} --pp {world_size // (d * t)}" for d in range(1, world_size + 1)
                  for t in range(1, world_size + 1) if world_size % (d * t) == 0
                  and args.heads % t == 0 and world_size // (d * t) <= args.layers]
-        why = (f"--dp {dp} --tp {args.tp} --pp {args.pp} make {dp * args.tp * args.pp} ranks, this job has "
-               f"{world_size}" if dp * args.tp * args.pp != world_size else
-               f"--tp {args.tp} does not divide --heads {args.heads}" if args.heads % args.tp else
-               f"--pp {args.pp} stages need at least {args.pp} --layers, got {args.layers}")
+        why = (f"--dp {D} --tp {T} --pp {P} make {D * T * P} ranks, this job has {world_size}" if D * T * P != world_size
+               else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
+               else f"--pp {P} stages need at least {P} --layers, got {args.layers}")
         raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} "
                           f"--layers {args.layers}: {'; '.join(works) or 'none'}")
-    args.dp = dp
-    if args.batch_size % (dp * args.micro_batches):
-        raise ConfigError(f"--batch-size {args.batch_size} does not split into {dp} replicas x "
-                          f"{args.micro_batches} micro-batches; use a multiple of {dp * args.micro_batches}")
+    args.dp = D
+    if args.batch_size % (D * args.micro_batches):
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x "
+                          f"{args.micro_batches} micro-batches; use a multiple of {D * args.micro_batches}")
     return args
 
+def check_paths(comm, args):
+    """Before anything is built, each rank tries what it will write: --save, a folder (made if
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    rank, error = comm.Get_rank(), None
+    try:
+        if args.save:
+            if os.path.exists(args.save) and not os.path.isdir(args.save):
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", args.save)
+            os.makedirs(args.save, exist_ok=True)
+            write_durably(os.path.join(args.save, f".probe-{rank}"), b"")
+        if args.trace and rank == 0:
+            open(args.trace, "a").close()
+    except OSError as e:
+        error = f"cannot write {e.filename}: {e.strerror}"
+    comm.Barrier()
+    if args.save and error is None:  # a folder on a node-local disk hides the other nodes' probes
+        unseen = [r for r in range(comm.Get_size()) if not os.path.exists(os.path.join(args.save, f".probe-{r}"))]
+        error = unseen and (f"--save {args.save}: rank {rank} does not see the files of rank(s) "
+                            f"{', '.join(map(str, unseen))}; checkpoints need a folder every rank shares")
+    errors = [e for e in comm.allgather(error) if e]
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(os.path.join(args.save, f".probe-{rank}"))
+    if errors:
+        raise ConfigError(errors[0])
 
 def abort_on_exception(kind, value, tb):
     """An exception on one rank must end the whole job, not leave the others in a collective."""
@@ -1184,7 +1289,6 @@ def abort_on_exception(kind, value, tb):
     text = "".join(traceback.format_exception(kind, value, tb))
     print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
     MPI.COMM_WORLD.Abort(1)
-
 
 if __name__ == "__main__":
     sys.excepthook = abort_on_exception

@@ -112,17 +112,17 @@ def train_on(comm, dp, tp, pp, extra=()):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
     args = hp.parse_args(TINY + ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp), *extra], comm.Get_size())
     timeline = hp.Timeline(CPU)
-    comms = [hp.CountedComm(c, timeline) for c in hp.make_grid(comm, dp, tp, pp)]
-    stage = hp.build_stage(args, comms[0], comms[1], CPU)
+    counted = {axis: hp.CountedComm(c, timeline)
+               for axis, c in zip(("tensor", "pipeline", "data"), hp.make_grid(comm, dp, tp, pp))}
+    stage = hp.build_stage(args, counted["tensor"], counted["pipeline"], CPU)
     optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-    buckets = hp.GradBuckets(stage.parameters(), comms[2], args.bucket_mb * 2**20)
-    losses, _ = hp.train(args, comm, comms, CPU, stage, optimizer, buckets, timeline)
-    measured = hp.per_axis(comm, dict(zip(("tensor", "pipeline", "data"), comms)), args.steps)
-    grid = {"dp": dp, "tp": tp, "pp": pp}
-    formula = hp.formulas(args, grid, comm.allgather(sum(p.numel() for p in stage.parameters())),
+    buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+    losses, _ = hp.train(args, comm, counted, CPU, stage, optimizer, buckets, timeline)
+    measured = hp.per_axis(comm, counted, args.steps)
+    formula = hp.formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
                           comm.allgather(len(buckets.buckets)))
-    members = [c.comm.allgather(world().Get_rank()) for c in comms]
-    diff = hp.check(args, comm, CPU, losses, stage, comms[0], comms[1])
+    members = [c.comm.allgather(world().Get_rank()) for c in counted.values()]
+    diff = hp.check(comm, args, CPU, losses, stage, counted)
     return losses, diff, measured, formula, members
 
 
