@@ -1,6 +1,7 @@
 """hybrid_parallel.py: the grid, the schedule on paper for grids up to 4x4x4, training on every grid of
 1, 2 and 4 ranks under MPI, and the script end to end at 2x2x2 on 8 ranks."""
 import itertools
+import json
 import os
 import shutil
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import hybrid_parallel as hp
-from harness import agree, assert_refused, last_json, launch, max_everywhere, sub_comm, world
+from harness import agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
 
 CPU = torch.device("cpu")
 # 5 blocks: 2 stages take 3 + 2, 4 stages 2 + 1 + 1 + 1 (uneven); 4 heads: tp 1, 2 and 4 divide them.
@@ -192,12 +193,13 @@ def test_2x2x2_on_eight_ranks_passes_its_check_and_counts_match_the_formulas(tmp
 @pytest.mark.e2e
 def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
     grid = ["--dp", 1, "--tp", 2, "--pp", 2]
-    run = [*E2E, "--steps", 4, "--save-every", 2, "--save", tmp_path, "--no-check", "--json"]
+    run = [*E2E, "--steps", 4, "--save-every", 2, "--save", tmp_path, "--json"]
     whole = last_json(launch("hybrid_parallel.py", 4, *run, *grid))
+    assert whole["check_max_abs_diff"] <= hp.TOLERANCE  # the negative control below changes only FAIL_AT
     final = {f.name: torch.load(f, weights_only=True) for f in sorted((tmp_path / "step-000004").glob("*.pt"))}
     assert len(final) == 4  # each rank its shard
     shutil.rmtree(tmp_path / "step-000004")
-    resumed = launch("hybrid_parallel.py", 4, *run, *grid, "--resume")
+    resumed = launch("hybrid_parallel.py", 4, *run, *grid, "--resume", "--no-check")
     assert last_json(resumed)["losses"] == whole["losses"] and "resumed from" in resumed.stdout
     again = {f.name: torch.load(f, weights_only=True) for f in sorted((tmp_path / "step-000004").glob("*.pt"))}
     assert again.keys() == final.keys()
@@ -209,3 +211,12 @@ def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
     other = launch("hybrid_parallel.py", 4, *run, "--steps", 6, "--dp", 2, "--tp", 1, "--pp", 2, "--resume",
                    timeout=120)
     assert_refused(other, "'grid': {'dp': 1, 'tp': 2, 'pp': 2}")
+
+
+@pytest.mark.e2e
+def test_negative_control_a_nudged_weight_fails_the_check(tmp_path):
+    """The resume test's first run, with one weight of rank 3 moved by 10 x the tolerance at step 1."""
+    out = launch("hybrid_parallel.py", 4, *E2E, "--steps", 4, "--save-every", 2, "--save", tmp_path, "--json",
+                 "--dp", 1, "--tp", 2, "--pp", 2, env=clean_env(FAIL_AT="3:1:nudge"))
+    assert out.returncode == 1 and "-> FAIL" in out.stdout, out.stdout + out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["check_max_abs_diff"] > hp.TOLERANCE
