@@ -518,12 +518,10 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, tp_comm, pp_comm, ti
             with timeline.span("compute", f"B{a.mb}"):
                 outputs.pop(a.mb).backward(None if s == last_stage else received.pop(Action("recv_grad", a.mb)))
             grads[a.mb] = inputs.pop(a.mb).grad
-        elif a.op == "send_act":
-            buffer = mpi_buffer(outputs[a.mb].detach())
-            sends.append((pp_comm.Isend(buffer, dest=s + 1, tag=tag(a.op, a.mb)), buffer))
-        elif a.op == "send_grad":
-            buffer = mpi_buffer(grads.pop(a.mb).contiguous())
-            sends.append((pp_comm.Isend(buffer, dest=s - 1, tag=tag(a.op, a.mb)), buffer))
+        elif a.op.startswith("send_"):  # the activation to the next stage, or the gradient back
+            forward = a.op == "send_act"
+            buffer = mpi_buffer(outputs[a.mb].detach() if forward else grads.pop(a.mb).contiguous())
+            sends.append((pp_comm.Isend(buffer, dest=s + 1 if forward else s - 1, tag=tag(a.op, a.mb)), buffer))
         elif a.op == "reduce":
             buckets.finish()
     for request, _ in sends:
