@@ -631,7 +631,6 @@ def train(args, comm, counted, device, stage, optimizer, buckets, timeline, past
     tp_comm, pp_comm, dp_comm = counted["tensor"], counted["pipeline"], counted["data"]
     actions = one_f_one_b(pp_comm.Get_size(), args.micro_batches, pp_comm.Get_rank())
     reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
-    config = {"grid": {"dp": args.dp, "tp": args.tp, "pp": args.pp}, **model_config(args)}
     losses, records = [], []
     for step in range(len(past), args.steps):
         inject_failure(comm, step, model=stage)
@@ -646,7 +645,7 @@ def train(args, comm, counted, device, stage, optimizer, buckets, timeline, past
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
             so_far = list(past) + global_losses(comm, losses, reports, args.dp)
             shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(), "losses": so_far}
-            save_checkpoint(comm, args.save, step + 1, shard, config)
+            save_checkpoint(comm, args.save, step + 1, shard, shard_config(args))
     return list(past) + global_losses(comm, losses, reports, args.dp), records
 
 
@@ -658,9 +657,10 @@ def global_losses(comm, losses, reports, dp):
     return (total / dp).tolist()
 
 
-def model_config(args):
-    return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-            "seq_len": args.seq_len, "vocab": VOCAB}
+def shard_config(args):
+    """What a checkpoint's shards belong to: the grid that cut them, and the model."""
+    return {"grid": {"dp": args.dp, "tp": args.tp, "pp": args.pp}, "model": "GPT", "layers": args.layers,
+            "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
 
 
 def main(argv=None, comm=MPI.COMM_WORLD):
@@ -680,9 +680,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
         past, resumed = [], None
         if args.resume:
-            config = {"grid": {"dp": args.dp, "tp": args.tp, "pp": args.pp}, **model_config(args)}
-            resumed, shard = load_checkpoint(comm, args.save, config, lambda manifest: f"rank-{comm.Get_rank()}.pt",
-                                             args.steps, same_world_size=True)
+            resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
+                                             lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
             past = restore(stage, optimizer, shard)
         print_header(comm, args, run, stage, buckets, resumed)
         losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets, run.timeline, past)
