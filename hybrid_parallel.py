@@ -116,6 +116,19 @@ def make_grid(comm, dp, tp, pp):
     return tp_comm, pp_comm, dp_comm
 
 
+# -----------------------------------------------------------------------------
+# Tensor parallelism within a stage: f and g, Megatron's layers, on the tensor-parallel communicator
+# -----------------------------------------------------------------------------
+def allreduce(t, comm, op=MPI.SUM):
+    """A new tensor: t summed (or maxed) over comm; on one rank there is nothing to exchange."""
+    t = t.detach().clone(memory_format=torch.contiguous_format)
+    if comm.Get_size() > 1:
+        buffer = mpi_buffer(t)
+        comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
+        t = from_mpi(t, buffer)
+    return t
+
+
 # MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
 # Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
 CUDA_AWARE = False
@@ -143,19 +156,6 @@ def from_mpi(t, buffer):
     """Bring what MPI wrote into a host copy back to t; returns t."""
     if buffer is not t:
         t.copy_(buffer)
-    return t
-
-
-# -----------------------------------------------------------------------------
-# Tensor parallelism within a stage: f and g, Megatron's layers, on the tensor-parallel communicator
-# -----------------------------------------------------------------------------
-def allreduce(t, comm, op=MPI.SUM):
-    """A new tensor: t summed (or maxed) over comm; on one rank there is nothing to exchange."""
-    t = t.detach().clone(memory_format=torch.contiguous_format)
-    if comm.Get_size() > 1:
-        buffer = mpi_buffer(t)
-        comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
-        t = from_mpi(t, buffer)
     return t
 
 
