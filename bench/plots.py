@@ -4,7 +4,7 @@ draw(meta, runs, trace, stem) writes three PNGs beside the tables, named after t
   STEM-bubble.png    measured bubble against (N-1)/(M+N-1) over M, for every pipeline schedule
                      found in the results (any name the pipeline's cases carry), one panel per N;
   STEM-scaling.png   step time and speedup over N for every strategy of the scaling job;
-  STEM-timeline.png  the last step of a pipeline_parallel.py --trace run, rank by rank.
+  STEM-timeline.png  one step of a pipeline_parallel.py --trace run, rank by rank.
 The numbers are picked by the same functions as the tables (report.py). matplotlib is needed here
 alone: run.py measures and writes the tables without it, and says that the pictures were skipped.
 The functions that pick the numbers need no matplotlib, so the tests run them anywhere.
@@ -81,24 +81,38 @@ def span_kind(name, cat):
     return {"F": "forward", "B": "backward", "W": "weight gradient"}.get(name[:1], "optimizer")
 
 
-def last_step(trace):
-    """The last step of every rank from a Chrome trace: {rank: [(name, kind, start ms, end ms)]},
-    times from the earliest start of that step on any rank. A rank's step runs from the end of its
-    previous optimizer update to the end of its last one (its waits for a peer included)."""
+def median_step(trace):
+    """One step of every rank from a Chrome trace: the median by length of the steps after the
+    first (the lower of the two middle ones). A rank's step k runs from the end of its optimizer
+    update k - 1 to the end of update k, its waits for a peer included; a step lasts from the
+    first start to the last end over the ranks. Returns ({rank: [(name, kind, start ms, end ms)]}
+    with times from that first start, k counted from 1, how many steps the trace holds)."""
     per_rank = collections.defaultdict(list)
     for e in trace["traceEvents"]:
         if e.get("ph") == "X":
             per_rank[e["pid"]].append((e["ts"], e["ts"] + e["dur"], e["name"], e.get("cat", "")))
-    windows = {}
-    for rank, events in per_rank.items():
-        ends = sorted(end for start, end, name, cat in events if name == "optimizer")
-        if ends:
-            windows[rank] = (ends[-2] if len(ends) > 1 else float("-inf"), ends[-1])
-    steps = {rank: sorted(e for e in per_rank[rank] if e[0] >= lo and e[1] <= hi)
-             for rank, (lo, hi) in windows.items()}
-    origin = min((events[0][0] for events in steps.values() if events), default=0.0)
-    return {rank: [(name, span_kind(name, cat), (s - origin) / 1e3, (e - origin) / 1e3)
-                   for s, e, name, cat in events] for rank, events in sorted(steps.items())}
+    updates = {rank: sorted(end for start, end, name, cat in events if name == "optimizer")
+               for rank, events in per_rank.items()}
+    count = min((len(ends) for ends in updates.values()), default=0)
+    if count == 0:
+        return {}, 0, 0
+
+    def step(k):  # k counted from 0
+        return {rank: sorted(e for e in per_rank[rank]
+                             if e[0] >= (updates[rank][k - 1] if k else float("-inf"))
+                             and e[1] <= updates[rank][k]) for rank in sorted(per_rank)}
+
+    def length(events):
+        spans = [e for rank_events in events.values() for e in rank_events]
+        return max(e[1] for e in spans) - min(e[0] for e in spans)
+
+    later = sorted(range(1, count) if count > 1 else [0], key=lambda k: length(step(k)))
+    k = later[(len(later) - 1) // 2]
+    events = step(k)
+    origin = min(e[0] for rank_events in events.values() for e in rank_events)
+    return ({rank: [(name, span_kind(name, cat), (s - origin) / 1e3, (e - origin) / 1e3)
+                    for s, e, name, cat in rank_events] for rank, rank_events in events.items()},
+            k + 1, count)
 
 
 # -----------------------------------------------------------------------------
@@ -188,11 +202,14 @@ def draw_scaling(plt, runs, cores, path):
 
 
 def draw_timeline(plt, trace, path):
-    steps = last_step(trace)
+    steps, k, count = median_step(trace)
     if not steps:
         return None
-    command = trace.get("otherData", {}).get("command", "pipeline_parallel.py --trace")
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(steps) + 1.6))
+    about = trace.get("otherData", {})
+    command = about.get("command", "pipeline_parallel.py --trace")
+    if about.get("load"):
+        command += f"  (load average {about['load'][0]} → {about['load'][1]})"
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(steps) + 1.8))
     seen = set()
     end = max(e for spans in steps.values() for _, _, _, e in spans)
     order = ("waiting for a peer", "send / receive")  # drawn over compute, should they overlap
@@ -212,8 +229,9 @@ def draw_timeline(plt, trace, path):
     handles, labels = ax.get_legend_handles_labels()
     keep = [k for k in SPAN_COLOURS if k in labels]
     ax.legend([handles[labels.index(k)] for k in keep], keep, fontsize=7, ncol=len(keep),
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), frameon=False)
-    ax.set_title(f"One pipeline step as measured, rank by rank (the run's last step)\n{command}", fontsize=9)
+              loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
+    ax.set_title(f"One pipeline step as measured, rank by rank: step {k} of {count}, the median after the first"
+                 f"\n{command}", fontsize=9)
     return save(fig, path)
 
 

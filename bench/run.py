@@ -42,10 +42,10 @@ GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_para
 
 Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
 
-# The run whose last step the timeline picture shows: 2 ranks, so that on 2 cores the waits drawn
+# The run one step of which the timeline picture shows: 2 ranks, so that on 2 cores the waits drawn
 # are the schedule's and not the ranks taking turns on a core.
 TRACE_RANKS = 2
-TRACE_FLAGS = ["--schedule", "1f1b", "--micro-batches", "8", "--steps", "3"]
+TRACE_FLAGS = ["--schedule", "1f1b", "--micro-batches", "8", "--steps", "5"]
 TRACE_TIMEOUT = 120  # seconds
 
 
@@ -120,13 +120,15 @@ def record_trace(mode, path, seconds_left):
         return "not run: the time budget of the whole run was spent"
     ranks, flags = TRACE_RANKS, TRACE_FLAGS + ["--device", "cuda" if mode == "gpu" else "cpu"]
     path.unlink(missing_ok=True)
+    load = load_average()
     _, error = launch(ROOT / "pipeline_parallel.py", ranks,
                       [*flags, "--no-check", "--log-every", 10 ** 6, "--trace", path.resolve()],
                       MODE_ENV.get(mode, {}), min(TRACE_TIMEOUT, seconds_left))
     if error is None:
         trace = json.loads(path.read_text())
         command = f"mpirun -np {ranks} python pipeline_parallel.py " + " ".join(flags)
-        path.write_text(json.dumps({**trace, "otherData": {"command": command}}))
+        path.write_text(json.dumps({**trace, "otherData": {"command": command,
+                                                            "load": [load, load_average()]}}))
     return error
 
 

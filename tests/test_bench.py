@@ -97,29 +97,34 @@ def test_the_bubble_picture_takes_every_schedule_found_in_the_results():
     assert points[2][2] == pytest.approx(11.0) and points[2][5] == pytest.approx(0.020 / 0.011)
 
 
-def test_the_timeline_picture_takes_the_last_step_of_every_rank():
+def test_the_timeline_picture_takes_the_median_step_of_every_rank():
     from bench import run  # noqa: F401
     import plots
 
-    def x(rank, name, cat, start, end):  # microseconds, as --trace writes them
-        return {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": 0, "ts": start, "dur": end - start}
-    trace = {"traceEvents": [
-        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}},
-        x(0, "F0", "compute", 0, 1000), x(0, "B0", "compute", 1000, 3000), x(0, "optimizer", "compute", 3000, 3100),
-        x(0, "F0", "compute", 5000, 6000), x(0, "send", "comm", 6000, 6010), x(0, "wait recv", "idle", 6010, 8000),
-        x(0, "B0", "compute", 8000, 9000), x(0, "W0", "compute", 9000, 9500),
-        x(0, "optimizer", "compute", 9500, 9600),
-        x(1, "wait recv", "idle", 0, 1000), x(1, "optimizer", "compute", 3500, 3600),
-        x(1, "wait recv", "idle", 3600, 6000), x(1, "F0", "compute", 6000, 7000),
-        x(1, "optimizer", "compute", 7000, 7100)]}
-    steps = plots.last_step(trace)
-    # Rank 1's step starts first, at 3.6 ms, when its previous update ends: the origin.
-    assert steps[1] == [("wait recv", "waiting for a peer", 0.0, 2.4), ("F0", "forward", 2.4, 3.4),
-                        ("optimizer", "optimizer", 3.4, pytest.approx(3.5))]
+    def x(rank, name, cat, start, end):  # milliseconds here; microseconds in the trace, as --trace writes
+        return {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": 0, "ts": 1e3 * start,
+                "dur": 1e3 * (end - start)}
+
+    def step(at, wait):  # rank 1 waits `wait` ms for rank 0's forward; steps begin at `at` ms
+        return [x(0, "F0", "compute", at, at + 1), x(0, "send", "comm", at + 1, at + 1.01),
+                x(0, "wait recv", "idle", at + 1.01, at + 2 + wait), x(0, "B0", "compute", at + 2 + wait, at + 3 + wait),
+                x(0, "W0", "compute", at + 3 + wait, at + 3.5 + wait),
+                x(0, "optimizer", "compute", at + 3.5 + wait, at + 3.6 + wait),
+                x(1, "wait recv", "idle", at - 0.5, at + 1 + wait), x(1, "F0", "compute", at + 1 + wait, at + 1.5 + wait),
+                x(1, "B0", "compute", at + 1.5 + wait, at + 2 + wait),
+                x(1, "optimizer", "compute", at + 2 + wait, at + 2.1 + wait)]
+    # Steps of 4.1 + wait ms: the first is left out, then 13.1, 8.1, 11.1 ms: step 4 is the median.
+    trace = {"traceEvents": [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}}]
+             + step(0.5, 50) + step(100, 9) + step(200, 4) + step(300, 7)}
+    steps, k, count = plots.median_step(trace)
+    assert (k, count) == (4, 4)
     assert [(name, kind) for name, kind, _, _ in steps[0]] == [
         ("F0", "forward"), ("send", "send / receive"), ("wait recv", "waiting for a peer"),
         ("B0", "backward"), ("W0", "weight gradient"), ("optimizer", "optimizer")]
-    assert steps[0][0][2:] == (pytest.approx(1.4), pytest.approx(2.4))
+    # Rank 1's step starts first (at 299.5 ms), waiting for rank 0's forward: the origin.
+    assert [(name, round(s, 3), round(e, 3)) for name, _, s, e in steps[1]] == [
+        ("wait recv", 0.0, 8.5), ("F0", 8.5, 9.0), ("B0", 9.0, 9.5), ("optimizer", 9.5, 9.6)]
+    assert (round(steps[0][0][2], 3), round(steps[0][-1][3], 3)) == (0.5, 11.1)
 
 
 def saved_results(tmp_path):
