@@ -140,7 +140,8 @@ def draw_bubble(plt, runs, cores, path):
                     label=f"{s} theory")
         if n in model:
             ax.plot([1], [100 * model[n][0]], "D", color="black", label="model_parallel.py measured")
-            ax.plot([1], [100 * model[n][1]], "D", mfc="none", color="black", label="model_parallel.py theory")
+            ax.plot([1], [100 * model[n][1]], "D", mfc="none", color="black",
+                    label="model_parallel.py theory")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
         ax.minorticks_off()
@@ -216,7 +217,8 @@ def draw_timeline(plt, trace, path):
     for rank, spans in steps.items():
         for name, kind, s, e in sorted(spans, key=lambda x: x[1] in order):
             thin = kind == "send / receive"
-            ax.broken_barh([(s, max(e - s, end / 1500))], (rank - (0.15 if thin else 0.4), 0.3 if thin else 0.8),
+            ax.broken_barh([(s, max(e - s, end / 1500))],
+                           (rank - (0.15 if thin else 0.4), 0.3 if thin else 0.8),
                            color=SPAN_COLOURS[kind], label=None if kind in seen else kind)
             seen.add(kind)
             if kind in ("forward", "backward", "weight gradient") and e - s > end / 60:
@@ -230,7 +232,8 @@ def draw_timeline(plt, trace, path):
     keep = [k for k in SPAN_COLOURS if k in labels]
     ax.legend([handles[labels.index(k)] for k in keep], keep, fontsize=7, ncol=len(keep),
               loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
-    ax.set_title(f"One pipeline step as measured, rank by rank: step {k} of {count}, the median after the first"
+    ax.set_title(f"One pipeline step as measured, rank by rank: step {k} of {count}, "
+                 "the median after the first"
                  f"\n{command}", fontsize=9)
     return save(fig, path)
 

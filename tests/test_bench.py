@@ -77,12 +77,13 @@ def pipeline_job():
         return case(f"pipeline_parallel.py --schedule {schedule} --micro-batches {m}",
                     {"kind": "strategy", "strategy": "pipeline_parallel", "schedule": schedule, "m": m},
                     [0.1], bubble_fraction=bubble, bubble_fraction_theory=theory)
-    return {"group": "pp", "ranks": 2, "env": {}, "error": None, "result": {"steps": 3, "rounds": 1, "cases": [
-        pp("zb-h1", 4, 0.15, 0.1), pp("1f1b", 4, 0.3, 0.2), pp("zb-h1", 2, 0.25, 0.2),
-        case("model_parallel.py", {"kind": "strategy", "strategy": "model_parallel"}, [0.1],
-             idle_fraction=[0.4, 0.6]),
-        case("torch.distributed.pipelining Schedule1F1B, M = 4", {"kind": "peer", "schedule": "1f1b", "m": 4},
-             [0.2])]}}
+    return {"group": "pp", "ranks": 2, "env": {}, "error": None, "result": {
+        "steps": 3, "rounds": 1, "cases": [
+            pp("zb-h1", 4, 0.15, 0.1), pp("1f1b", 4, 0.3, 0.2), pp("zb-h1", 2, 0.25, 0.2),
+            case("model_parallel.py", {"kind": "strategy", "strategy": "model_parallel"}, [0.1],
+                 idle_fraction=[0.4, 0.6]),
+            case("torch.distributed.pipelining Schedule1F1B, M = 4",
+                 {"kind": "peer", "schedule": "1f1b", "m": 4}, [0.2])]}}
 
 
 def test_the_bubble_picture_takes_every_schedule_found_in_the_results():
@@ -107,10 +108,12 @@ def test_the_timeline_picture_takes_the_median_step_of_every_rank():
 
     def step(at, wait):  # rank 1 waits `wait` ms for rank 0's forward; steps begin at `at` ms
         return [x(0, "F0", "compute", at, at + 1), x(0, "send", "comm", at + 1, at + 1.01),
-                x(0, "wait recv", "idle", at + 1.01, at + 2 + wait), x(0, "B0", "compute", at + 2 + wait, at + 3 + wait),
+                x(0, "wait recv", "idle", at + 1.01, at + 2 + wait),
+                x(0, "B0", "compute", at + 2 + wait, at + 3 + wait),
                 x(0, "W0", "compute", at + 3 + wait, at + 3.5 + wait),
                 x(0, "optimizer", "compute", at + 3.5 + wait, at + 3.6 + wait),
-                x(1, "wait recv", "idle", at - 0.5, at + 1 + wait), x(1, "F0", "compute", at + 1 + wait, at + 1.5 + wait),
+                x(1, "wait recv", "idle", at - 0.5, at + 1 + wait),
+                x(1, "F0", "compute", at + 1 + wait, at + 1.5 + wait),
                 x(1, "B0", "compute", at + 1.5 + wait, at + 2 + wait),
                 x(1, "optimizer", "compute", at + 2 + wait, at + 2.1 + wait)]
     # Steps of 4.1 + wait ms: the first is left out, then 13.1, 8.1, 11.1 ms: step 4 is the median.
