@@ -232,9 +232,11 @@ def draw_timeline(plt, trace, path):
     keep = [k for k in SPAN_COLOURS if k in labels]
     ax.legend([handles[labels.index(k)] for k in keep], keep, fontsize=7, ncol=len(keep),
               loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
-    ax.set_title(f"One pipeline step as measured, rank by rank: step {k} of {count}, "
-                 "the median after the first"
-                 f"\n{command}", fontsize=9)
+    waits = [sum(e - s for _, kind, s, e in spans if kind == "waiting for a peer")
+             for spans in steps.values()]
+    waiting = " / ".join(f"{100 * w / end:.0f}%" for w in waits)
+    ax.set_title(f"One pipeline step as measured, rank by rank: step {k} of {count} (the median after the "
+                 f"first), {end:.0f} ms, waiting for a peer {waiting} of it\n{command}", fontsize=9)
     return save(fig, path)
 
 
