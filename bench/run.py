@@ -114,17 +114,19 @@ def merge(runs):
 def record_trace(mode, path, seconds_left):
     """One short pipeline_parallel.py run with --trace FILE, for the timeline picture; the command
     is kept in the trace's otherData. Returns an error line, or None."""
+    path.unlink(missing_ok=True)  # never a picture of an older run under this one's name
     if not present("pipeline_parallel"):
         return "pipeline_parallel.py is not in this checkout"
     if seconds_left < MIN_JOB_SECONDS:
         return f"not run: the {BUDGET[mode]} s budget of the whole run was spent"
     ranks, flags = TRACE_RANKS, TRACE_FLAGS + ["--device", "cuda" if mode == "gpu" else "cpu"]
-    path.unlink(missing_ok=True)
     load = load_average()
     _, error = launch(ROOT / "pipeline_parallel.py", ranks,
                       [*flags, "--no-check", "--log-every", 10 ** 6, "--trace", path.resolve()],
                       MODE_ENV.get(mode, {}), min(TRACE_TIMEOUT, seconds_left))
-    if error is None:
+    if error is not None:
+        path.unlink(missing_ok=True)
+    else:
         trace = json.loads(path.read_text())
         command = f"mpirun -np {ranks} python pipeline_parallel.py " + " ".join(flags)
         path.write_text(json.dumps({**trace, "otherData": {"command": command,
