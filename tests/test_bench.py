@@ -130,6 +130,19 @@ def test_the_timeline_picture_takes_the_median_step_of_every_rank():
     assert (round(steps[0][0][2], 3), round(steps[0][-1][3], 3)) == (0.5, 11.1)
 
 
+def test_the_step_drawn_from_the_saved_trace_holds_every_micro_batch_once_on_every_rank():
+    from bench import run
+    import plots
+    trace = json.loads((run.HERE / "results-trace.json").read_text())
+    flags = trace["otherData"]["command"].split()
+    ranks, m = int(flags[flags.index("-np") + 1]), int(flags[flags.index("--micro-batches") + 1])
+    steps, k, count = plots.median_step(trace)
+    assert sorted(steps) == list(range(ranks)) and 1 < k <= count
+    for spans in steps.values():
+        names = sorted(name for name, kind, _, _ in spans if kind in ("forward", "backward", "optimizer"))
+        assert names == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] + ["optimizer"])
+
+
 def saved_results(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"meta": {**META, "trace": {"file": "results-trace.json", "error": None}},
