@@ -182,8 +182,11 @@ def gradient_buffer():
 
 
 def mpi_allreduce(ctx):
-    """The limit: one blocking MPI Allreduce of the gradient bytes (host memory), back to back."""
+    """The limit: one blocking MPI Allreduce of the gradient bytes, back to back; in GPU memory
+    where the library reads it (data_parallel.py's test of CUDA-awareness), else host memory."""
     buf = gradient_buffer()
+    if ctx.device.type == "cuda" and importlib.import_module("data_parallel").mpi_cuda_aware(ctx.comm):
+        buf = buf.to(ctx.device)
     seconds, _ = timed(ctx.comm, ctx.args.collective_reps,
                        lambda i: ctx.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), ctx.device, warmup=5)
     return {"step_time_s": seconds, "bytes": buf.numel() * buf.element_size()}
