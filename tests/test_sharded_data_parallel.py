@@ -20,9 +20,9 @@ def run_steps(comm, argv):
     """Train on comm as the script does; returns the global losses, the model and ZeRO."""
     args = zp.parse_args(argv, comm.Get_size())
     counted = zp.CountedComm(comm, zp.Timeline(CPU))
-    model, zero, _ = zp.setup(args, counted, CPU)
-    losses, _ = zp.train(args, counted, CPU, model, zero)
-    return losses, model, zero
+    model, zero = zp.shard_model(args, counted, CPU)
+    losses, _ = zp.train(args, comm, CPU, model, zero, counted.timeline)
+    return zp.global_losses(comm, losses), model, zero
 
 
 @pytest.mark.mpi
@@ -69,7 +69,6 @@ def test_each_rank_gets_the_mean_gradient_of_its_partition(size, stage):
             model = zp.build_model(args)
             zero = zp.ZeRO(model, comm, stage, args.lr, CPU)
             rank = comm.Get_rank()
-            zero.zero_grad()
             loss = F.cross_entropy(model(x[rank * per:(rank + 1) * per]).flatten(0, 1),
                                    y[rank * per:(rank + 1) * per].flatten())
             zero.backward(loss)
@@ -91,7 +90,7 @@ def test_training_steps_equal_the_single_process_reference(size, stage):
         if comm is not None:
             argv = TINY + ["--steps", "3", "--zero-stage", str(stage)]
             losses, model, zero = run_steps(comm, argv)
-            diff = zp.check(zp.parse_args(argv, size), losses, zp.whole_parameters(zero, model))
+            diff = zp.check(comm, zp.parse_args(argv, size), losses, zero, model)
         assert max_everywhere(diff) <= zp.TOLERANCE
 
 
@@ -180,3 +179,12 @@ def test_checkpoints_resume_bit_exact_at_the_same_world_size_and_at_any_other(tm
 def test_impossible_input_is_one_error_line_and_exit_2():
     assert_refused(launch("sharded_data_parallel.py", 3, "--batch-size", "16", timeout=60),
                    "use a multiple of 3")
+
+
+@pytest.mark.e2e
+def test_a_nudged_parameter_makes_the_check_fail():
+    """The negative control: one rank moves one parameter it owns by 10x the tolerance."""
+    result = launch("sharded_data_parallel.py", 2, *SMALL, "--steps", "4", "--zero-stage", "3",
+                    env=clean_env(FAIL_AT="0:2:nudge"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "-> FAIL" in result.stdout
