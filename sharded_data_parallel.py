@@ -188,7 +188,7 @@ class ZeRO:
 
     def parameters(self):
         """What this rank owns and updates: its partition of every layer."""
-        return [layer.partition for layer in self.layers]
+        return (layer.partition for layer in self.layers)
 
     # --- stage 3: gather a layer just before it is needed, free it right after ---------------
     def gather(self, i):
