@@ -21,24 +21,19 @@ padded with zeros to a multiple of N; rank r owns partition r of every layer, an
                                                      reduce-scatter as in stage 2; the next layer's
                                                      gather starts while this one computes
 
-Memory per rank in float32 with Adam, for Psi parameters (4 bytes of parameter, 4 of gradient and
-8 of moments for each): plain data parallelism 16 Psi; stage 1: 8 Psi + 8 Psi / N; stage 2:
-4 Psi + 12 Psi / N; stage 3: 16 Psi / N plus the whole layers gathered at once: the one computing and the next,
-prefetched (4 bytes x the largest two neighbouring layers). Psi counts the padding. Stages 2 and 3 also
-hold a layer's whole gradients for the moment between its backward and its reduce-scatter.
+Memory per rank in float32 with Adam, for Psi parameters with the padding (4 bytes of parameter,
+4 of gradient, 8 of moments each): plain data parallelism 16 Psi; stage 1: 8 Psi + 8 Psi / N;
+stage 2: 4 Psi + 12 Psi / N; stage 3: 16 Psi / N plus the whole layers gathered at once, the one
+computing and the next (4 bytes x the largest two neighbouring layers). Stages 2 and 3 also hold
+a layer's whole gradients between its backward and its reduce-scatter.
 
 Communication per step, for G = 4 Psi bytes: stages 1 and 2 reduce-scatter the gradients and
-all-gather the parameters, one of each per layer, each a vector of G bytes in all. A ring moves
-(N-1)/N of such a vector in and out of each rank, so 2(N-1)/N x G: what an allreduce of the
-gradients moves (a ring allreduce is a reduce-scatter then an all-gather). Stage 3 all-gathers
-twice (before forward, before backward) and reduce-scatters once: 3(N-1)/N x G, 1.5 times that.
+all-gather the parameters, one call of each per layer, G bytes of vectors each. A ring moves
+(N-1)/N of a vector in and out of each rank: 2(N-1)/N x G, what an allreduce of the gradients
+moves (a ring allreduce is a reduce-scatter then an all-gather). Stage 3 all-gathers twice
+(before forward, before backward) and reduce-scatters once: 3(N-1)/N x G, 1.5 times that.
 
-The network: the GPT of tensor_parallel.py with one change: no key bias. q.b_k adds the same
-number to every score of a query, which the softmax ignores, so its gradient is zero in exact
-arithmetic and it stays at its initial zero; in float32 that gradient is rounding noise, which
-Adam, dividing each gradient by its own size, turns into full steps in random directions: summing
-the gradients of 4 slices instead of one batch moved the key bias by 8e-6 in 30 steps and 6e-4 in
-100, while every other parameter moved by less than 1e-6. Without it the check can be tight.
+The network: the GPT of tensor_parallel.py without the key bias (see Block), trained with AdamW.
 
 When to choose it: the model trains with data parallelism, but its parameters, gradients and
 optimizer state do not fit on one device. Stages 1 and 2 cost nothing in traffic, so take them
@@ -111,54 +106,6 @@ def from_mpi(t, buffer):
     return t
 
 
-class FlatLayer:
-    """A layer's parameters as one flat vector, padded with zeros to a multiple of N. Rank r's
-    partition is elements [r S, (r + 1) S), S = padded / N. The module's parameters become views
-    into `whole`, so an all-gather into `whole` updates them; stage 3 frees `whole` between uses."""
-
-    def __init__(self, module, comm, stage, device):
-        self.params = list(module.parameters())
-        world_size, rank = comm.Get_size(), comm.Get_rank()
-        self.numel = sum(p.numel() for p in self.params)
-        self.padded = -(-self.numel // world_size) * world_size
-        self.size = self.padded // world_size
-        self.mine = slice(rank * self.size, (rank + 1) * self.size)
-        self.whole = torch.zeros(self.padded, device=device)
-        offset = 0
-        for p in self.params:
-            self.whole[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.whole[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        # What the optimizer updates: in stages 1 and 2 a view into the whole vector (the
-        # all-gather after the step then runs in place); in stage 3 all this rank keeps.
-        self.partition = self.whole[self.mine].clone() if stage == 3 else self.whole[self.mine]
-        if stage == 1:  # whole gradients: autograd adds into views of one flat buffer
-            self.grad_whole = torch.zeros(self.padded, device=device)
-            offset = 0
-            for p in self.params:
-                p.grad = self.grad_whole[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-            self.partition.grad = self.grad_whole[:self.size]  # where an in-place reduce-scatter leaves it
-        else:  # stages 2 and 3 keep their partition of the gradients alone
-            self.partition.grad = torch.zeros(self.size, device=device)
-        self.request = None
-        if stage == 3:
-            self.free()
-
-    def flat_grad(self):
-        """This layer's whole gradient as one padded vector; the parameters' .grad are let go."""
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params]
-                         + [self.whole.new_zeros(self.padded - self.numel)])
-        for p in self.params:
-            p.grad = None
-        return flat
-
-    def free(self):
-        """Give back the whole vector's memory. The views (and autograd's saved tensors, views
-        too) keep their shapes, and see the values again once the next gather refills it."""
-        self.whole.untyped_storage().resize_(0)
-
-
 class ZeRO:
     """AdamW on this rank's partitions, and the exchange of ZeRO stage 1, 2 or 3 around it.
 
@@ -167,8 +114,7 @@ class ZeRO:
     Stage 2: a post-accumulate-grad hook counts each layer's gradients; when the layer's last one
     is in, its Ireduce_scatter_block starts while backward carries on with earlier layers.
     Stage 3: forward hooks all-gather a layer before its forward (and start the next one's) and
-    free it after; a hook on its output gathers it again before its backward; reduce-scatters
-    as in stage 2, after which the layer is freed again.
+    free it after; a hook on its output gathers it again before its backward; then as stage 2.
     """
 
     def __init__(self, model, comm, stage, lr, device):
@@ -189,6 +135,37 @@ class ZeRO:
     def parameters(self):
         """What this rank owns and updates: its partition of every layer."""
         return (layer.partition for layer in self.layers)
+
+    # --- one optimizer step -------------------------------------------------------------------
+    def backward(self, loss):
+        """loss.backward() with the gradient exchange; leaves each partition's mean gradient."""
+        self.arrived, self.pending = [0] * len(self.layers), []
+        if self.stage == 1:
+            for layer in self.layers:
+                layer.grad_whole.zero_()  # autograd adds into it
+        loss.backward()
+        if self.stage == 1:
+            for layer in reversed(self.layers):
+                buffer = mpi_buffer(layer.grad_whole)
+                self.comm.Reduce_scatter_block(MPI.IN_PLACE, buffer, op=MPI.SUM)
+                from_mpi(layer.grad_whole, buffer)
+        else:
+            assert all(n == len(layer.params) for n, layer in zip(self.arrived, self.layers)), \
+                "a gradient never arrived"
+            for layer, _, received, request in self.pending:
+                request.Wait()
+                from_mpi(layer.partition.grad, received)
+        for layer in self.layers:
+            layer.partition.grad /= self.world_size  # each rank's loss is the mean of its slice
+
+    def step(self):
+        """AdamW on this rank's partitions; stages 1 and 2 then all-gather the parameters."""
+        self.optimizer.step()
+        if self.stage < 3:
+            for layer in self.layers:
+                buffer = mpi_buffer(layer.whole)
+                self.comm.Allgather(MPI.IN_PLACE, buffer)
+                from_mpi(layer.whole, buffer)
 
     # --- stage 3: gather a layer just before it is needed, free it right after ---------------
     def gather(self, i):
@@ -253,36 +230,53 @@ class ZeRO:
             if layer.request is not None:
                 layer.request.Test()
 
-    # --- one optimizer step -------------------------------------------------------------------
-    def backward(self, loss):
-        """loss.backward() with the gradient exchange; leaves each partition's mean gradient."""
-        self.arrived, self.pending = [0] * len(self.layers), []
-        if self.stage == 1:
-            for layer in self.layers:
-                layer.grad_whole.zero_()  # autograd adds into it
-        loss.backward()
-        if self.stage == 1:
-            for layer in reversed(self.layers):
-                buffer = mpi_buffer(layer.grad_whole)
-                self.comm.Reduce_scatter_block(MPI.IN_PLACE, buffer, op=MPI.SUM)
-                from_mpi(layer.grad_whole, buffer)
-        else:
-            assert all(n == len(layer.params) for n, layer in zip(self.arrived, self.layers)), \
-                "a gradient never arrived"
-            for layer, _, received, request in self.pending:
-                request.Wait()
-                from_mpi(layer.partition.grad, received)
-        for layer in self.layers:
-            layer.partition.grad /= self.world_size  # each rank's loss is the mean of its slice
 
-    def step(self):
-        """AdamW on this rank's partitions; stages 1 and 2 then all-gather the parameters."""
-        self.optimizer.step()
-        if self.stage < 3:
-            for layer in self.layers:
-                buffer = mpi_buffer(layer.whole)
-                self.comm.Allgather(MPI.IN_PLACE, buffer)
-                from_mpi(layer.whole, buffer)
+class FlatLayer:
+    """A layer's parameters as one flat vector, padded with zeros to a multiple of N. Rank r's
+    partition is elements [r S, (r + 1) S), S = padded / N. The module's parameters become views
+    into `whole`, so an all-gather into `whole` updates them; stage 3 frees `whole` between uses."""
+
+    def __init__(self, module, comm, stage, device):
+        self.params = list(module.parameters())
+        world_size, rank = comm.Get_size(), comm.Get_rank()
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = -(-self.numel // world_size) * world_size
+        self.size = self.padded // world_size
+        self.mine = slice(rank * self.size, (rank + 1) * self.size)
+        self.whole = torch.zeros(self.padded, device=device)
+        offset = 0
+        for p in self.params:
+            self.whole[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.whole[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        # What the optimizer updates: in stages 1 and 2 a view into the whole vector (the
+        # all-gather after the step then runs in place); in stage 3 all this rank keeps.
+        self.partition = self.whole[self.mine].clone() if stage == 3 else self.whole[self.mine]
+        if stage == 1:  # whole gradients: autograd adds into views of one flat buffer
+            self.grad_whole = torch.zeros(self.padded, device=device)
+            offset = 0
+            for p in self.params:
+                p.grad = self.grad_whole[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.partition.grad = self.grad_whole[:self.size]  # where an in-place reduce-scatter leaves it
+        else:  # stages 2 and 3 keep their partition of the gradients alone
+            self.partition.grad = torch.zeros(self.size, device=device)
+        self.request = None
+        if stage == 3:
+            self.free()
+
+    def flat_grad(self):
+        """This layer's whole gradient as one padded vector; the parameters' .grad are let go."""
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params]
+                         + [self.whole.new_zeros(self.padded - self.numel)])
+        for p in self.params:
+            p.grad = None
+        return flat
+
+    def free(self):
+        """Give back the whole vector's memory. The views (and autograd's saved tensors, views
+        too) keep their shapes, and see the values again once the next gather refills it."""
+        self.whole.untyped_storage().resize_(0)
 
 
 def memory_per_rank(zero):
@@ -361,7 +355,12 @@ class Embedding(nn.Module):
 
 class Block(nn.Module):
     """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
-    weights, so float32 rounding differences between world sizes stay at rounding level."""
+    weights, so float32 rounding differences between world sizes stay at rounding level.
+    No key bias: q.b_k adds the same number to every score of a query, which the softmax ignores,
+    so its gradient is zero in exact arithmetic and the bias stays at its initial zero. In float32
+    that gradient is rounding noise, which Adam, dividing each gradient by its own size, turns into
+    full steps: summing 4 slices' gradients instead of one batch's moved the key bias by 8e-6 in
+    30 steps and 6e-4 in 100, and every other parameter by less than 1e-6."""
 
     def __init__(self, hidden, heads):
         super().__init__()
@@ -559,7 +558,8 @@ def print_header(comm, args, run, model, zero, resumed):
            f"{args.heads} heads, {params:,} parameters in {len(zero.layers)} layers, padded to {padded:,} "
            f"(each layer a multiple of {comm.Get_size()}); this rank owns {padded // comm.Get_size():,}",
            f"global batch {args.batch_size} x {args.seq_len} characters = {comm.Get_size()} ranks x "
-           f"{args.batch_size // comm.Get_size()} | AdamW, lr {args.lr:g}, eps {EPS:g}, weight decay {WEIGHT_DECAY:g}")
+           f"{args.batch_size // comm.Get_size()} | AdamW, lr {args.lr:g}, eps {EPS:g}, "
+           f"weight decay {WEIGHT_DECAY:g}")
 
 def report(comm, args, run, zero, losses, records, counted, memory, diff):
     """The summary, the check's verdict and --json; returns the exit status."""
@@ -573,8 +573,8 @@ def report(comm, args, run, zero, losses, records, counted, memory, diff):
     print0(comm, f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is "
                  f"ln {VOCAB} = {math.log(VOCAB):.4f})", summary_line(slowest),
            "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
-           + f"; formula {vectors} x 4 Psi = {vectors * 4 * psi:,} bytes (Psi = {psi:,} with padding); a ring "
-           f"moves (N-1)/N of that per rank, {ring:,.0f}: "
+           + f"; formula {vectors} x 4 Psi = {vectors * 4 * psi:,} bytes (Psi = {psi:,} with padding); "
+           f"a ring moves (N-1)/N of that per rank, {ring:,.0f}: "
            + ("what an allreduce of the gradients moves" if stage < 3 else "1.5 x an allreduce"),
            "memory per rank in bytes, measured (formula): "
            + " | ".join(f"{k} {memory[k]:,} ({formula[k]:,})" for k in formula)
@@ -588,7 +588,8 @@ def report(comm, args, run, zero, losses, records, counted, memory, diff):
             "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
             "zero_stage": stage, "param_count": sum(layer.numel for layer in zero.layers),
             "padded_param_count": psi, "memory_bytes_per_rank": memory, "memory_bytes_formula": formula,
-            "comm_bytes_formula": vectors * 4 * psi, "ring_bytes_per_rank": ring, "collectives_by_kind": calls}))
+            "comm_bytes_formula": vectors * 4 * psi, "ring_bytes_per_rank": ring,
+            "collectives_by_kind": calls}))
     return 0 if ok else 1
 
 def print_progress(comm, args, step, loss, record):
@@ -737,7 +738,7 @@ def zero_shard(zero, losses):
     for layer in zero.layers:
         state = zero.optimizer.state[layer.partition]
         layers.append({"params": layer.partition.detach().cpu().clone(), "numel": layer.numel,
-                       "exp_avg": state["exp_avg"].cpu().clone(), "exp_avg_sq": state["exp_avg_sq"].cpu().clone()})
+                       **{key: state[key].cpu().clone() for key in ("exp_avg", "exp_avg_sq")}})
     return {"layers": layers, "adam_step": zero.optimizer.state[zero.layers[0].partition]["step"].item(),
             "losses": list(losses)}
 
