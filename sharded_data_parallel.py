@@ -69,9 +69,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 STRATEGY = "sharded_data_parallel"
-# Largest |difference| allowed against single-process training (float32). Measured (see check()):
-# 6.0e-7 (stage 3, N = 4) and 7.6e-7 (stage 2, N = 3) for the default runs; at most 2.4e-6 after
-# 100 steps, an eightfold margin.
+# Largest |difference| allowed against single-process training (float32). Measured (see check()): 6.0e-7
+# and 7.6e-7 for default runs (stage 3, N = 4; stage 2, N = 3), at most 2.4e-6 after 100 steps.
 TOLERANCE = 2e-5
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
