@@ -531,8 +531,9 @@ def check(comm, args, losses, zero, model):
     Adam divides each gradient by its own size, which amplifies rounding. Summing the slices'
     gradients instead of the batch's in one process moved the parameters by 7e-7 after 100 steps
     (3 slices of the default 24), by 5e-7 after 50 and 2.4e-6 after 100 (4 slices of 16), at lr
-    1e-3; at lr 3e-3 by 2e-2 after 50 (a loss spike at step 35 turned rounding into chaos); with eps 1e-8 one weight in 200k moved by 5e-5 in the first step (a step
-    changes by up to lr x delta / eps for a change delta of its gradient), hence EPS 1e-6."""
+    1e-3; at lr 3e-3 by 2e-2 after 50 (a loss spike at step 35 turned rounding into chaos). With
+    eps 1e-8 one weight in 200k moved by 5e-5 in the first step (a step changes by up to
+    lr x delta / eps for a change delta of its gradient), hence EPS 1e-6."""
     state, diff = whole_parameters(zero, model, comm), None
     if comm.Get_rank() == 0:
         diff = max_difference(losses, state, *reference_training(args))
