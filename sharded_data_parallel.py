@@ -1007,7 +1007,7 @@ def check_common(args):
     return args
 
 def parse_args(argv, world_size):
-    p = common_arguments("Sharded data parallelism over MPI (ZeRO 1, 2, 3): a small GPT on Python's own source.",
+    p = common_arguments("Sharded data parallelism over MPI (ZeRO 1, 2, 3): a small GPT on Python source.",
                          steps=50, batch_size=24, lr=1e-3, log_every=10)
     p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
     p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
