@@ -1,0 +1,1063 @@
+r"""Sharded data parallelism over MPI (ZeRO): data parallelism that keeps 1/N of the state per rank.
+
+What is split: the data, as in data parallelism (each of the N ranks trains on B/N samples of the
+global batch), and also what plain data parallelism repeats on every rank: Adam's moments (stage
+1), the gradients (stage 2) and the parameters themselves (stage 3), as in ZeRO (Rajbhandari et al.
+2020), which DeepSpeed and PyTorch's FSDP implement. Each layer's parameters form one flat vector,
+padded with zeros to a multiple of N; rank r owns partition r of every layer, and updates only it.
+
+  one layer's flat vector on N = 4 ranks:  [ w w w w w w w w w w w w w w 0 0 ]  (padding: 0 0)
+                                           | part 0 | part 1 | part 2 | part 3 |
+                                             rank 0   rank 1   rank 2   rank 3
+
+              parameters   gradients   Adam moments  one step, layer by layer
+  plain DP    whole        whole       whole         allreduce(gradients), every rank steps all
+  stage 1     whole        whole       its part      after backward: reduce-scatter(gradients),
+                                                     step its part, all-gather(parameters)
+  stage 2     whole        its part    its part      during backward: each layer's reduce-scatter
+                                                     starts when its gradients are in (a bucket)
+  stage 3     its part     its part    its part      before a layer's forward: all-gather it, free
+              (+ gathered layers)                    it after; again before its backward; its
+                                                     reduce-scatter as in stage 2; the next layer's
+                                                     gather starts while this one computes
+
+Memory per rank in float32 with Adam, for Psi parameters with the padding (4 bytes of parameter,
+4 of gradient, 8 of moments each): plain data parallelism 16 Psi; stage 1: 8 Psi + 8 Psi / N;
+stage 2: 4 Psi + 12 Psi / N; stage 3: 16 Psi / N plus the whole layers gathered at once, the one
+computing and the next (4 bytes x the largest two neighbouring layers). Stages 2 and 3 also hold
+a layer's whole gradients between its backward and its reduce-scatter.
+
+Communication per step, for G = 4 Psi bytes: stages 1 and 2 reduce-scatter the gradients and
+all-gather the parameters, one call of each per layer, G bytes of vectors each. A ring moves
+(N-1)/N of a vector in and out of each rank: 2(N-1)/N x G, what an allreduce of the gradients
+moves (a ring allreduce is a reduce-scatter then an all-gather). Stage 3 all-gathers twice
+(before forward, before backward) and reduce-scatters once: 3(N-1)/N x G, 1.5 times that.
+
+The network: the GPT of tensor_parallel.py without the key bias (see Block), trained with AdamW.
+
+When to choose it: the model trains with data parallelism, but its parameters, gradients and
+optimizer state do not fit on one device. Stages 1 and 2 cost nothing in traffic, so take them
+first; stage 3 pays 1.5 times the traffic for memory that falls as 1/N.
+
+The text: the standard library's argparse.py, textwrap.py and shlex.py, read from the running
+Python, bytes >= 128 replaced by '?'.
+
+Run:  mpirun -np 4 python sharded_data_parallel.py --zero-stage 3      (add --help for the flags)
+"""
+import argparse
+import collections
+import contextlib
+import ctypes
+import errno
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+import traceback
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mpi4py import MPI
+
+STRATEGY = "sharded_data_parallel"
+# Largest |difference| allowed against single-process training (float32). Measured (see check()): 6.0e-7
+# and 7.6e-7 for default runs (stage 3, N = 4; stage 2, N = 3), at most 2.4e-6 after 100 steps.
+TOLERANCE = 2e-5
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
+SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
+VOCAB = 128  # the ASCII codes
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01  # AdamW's, as in BERT; EPS: see check()
+
+
+# -----------------------------------------------------------------------------
+# The strategy: each rank owns 1/N of every layer's flat parameter vector, and steps only it
+# -----------------------------------------------------------------------------
+# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
+# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+CUDA_AWARE = False
+
+
+def mpi_buffer(t, nonblocking=False):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
+    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
+
+
+def from_mpi(t, buffer):
+    """Bring what MPI wrote into a host copy back to t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
+
+
+class ZeRO:
+    """AdamW on this rank's partitions, and the exchange of ZeRO stage 1, 2 or 3 around it.
+
+    Stage 1: backward fills whole gradients; then per layer a Reduce_scatter_block leaves each
+    rank the sum of its partition, AdamW steps it, and an Allgather brings back every partition.
+    Stage 2: a post-accumulate-grad hook counts each layer's gradients; when the layer's last one
+    is in, its Ireduce_scatter_block starts while backward carries on with earlier layers.
+    Stage 3: forward hooks all-gather a layer before its forward (and start the next one's) and
+    free it after; a hook on its output gathers it again before its backward; then as stage 2.
+    """
+
+    def __init__(self, model, comm, stage, lr, device):
+        self.comm, self.stage, self.world_size = comm, stage, comm.Get_size()
+        self.layers = [FlatLayer(m, comm, stage, device) for m in model.layers]
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, betas=BETAS, eps=EPS,
+                                           weight_decay=WEIGHT_DECAY)
+        self.pending, self.arrived = [], [0] * len(self.layers)
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # stage 3: whole layers held at once
+        for i, (layer, module) in enumerate(zip(self.layers, model.layers)):
+            if stage >= 2:
+                for p in layer.params:
+                    p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+            if stage == 3:
+                module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
+                module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+
+    def parameters(self):
+        """What this rank owns and updates: its partition of every layer."""
+        return (layer.partition for layer in self.layers)
+
+    # --- one optimizer step -------------------------------------------------------------------
+    def backward(self, loss):
+        """loss.backward() with the gradient exchange; leaves each partition's mean gradient."""
+        self.arrived, self.pending = [0] * len(self.layers), []
+        if self.stage == 1:
+            for layer in self.layers:
+                layer.grad_whole.zero_()  # autograd adds into it
+        loss.backward()
+        if self.stage == 1:
+            for layer in reversed(self.layers):
+                buffer = mpi_buffer(layer.grad_whole)
+                self.comm.Reduce_scatter_block(MPI.IN_PLACE, buffer, op=MPI.SUM)
+                from_mpi(layer.grad_whole, buffer)
+        else:
+            assert all(n == len(layer.params) for n, layer in zip(self.arrived, self.layers)), \
+                "a gradient never arrived"
+            for layer, _, received, request in self.pending:
+                request.Wait()
+                from_mpi(layer.partition.grad, received)
+        for layer in self.layers:
+            layer.partition.grad /= self.world_size  # each rank's loss is the mean of its slice
+
+    def step(self):
+        """AdamW on this rank's partitions; stages 1 and 2 then all-gather the parameters."""
+        self.optimizer.step()
+        if self.stage < 3:
+            for layer in self.layers:
+                buffer = mpi_buffer(layer.whole)
+                self.comm.Allgather(MPI.IN_PLACE, buffer)
+                from_mpi(layer.whole, buffer)
+
+    # --- stage 3: gather a layer just before it is needed, free it right after ---------------
+    def gather(self, i):
+        """Start the all-gather of layer i's parameters into its whole vector, unless there."""
+        layer = self.layers[i]
+        if layer.whole.untyped_storage().nbytes() or layer.request is not None:
+            return
+        layer.whole.untyped_storage().resize_(layer.padded * layer.whole.element_size())
+        layer.whole[layer.mine] = layer.partition.detach()  # this rank's part; MPI brings the rest
+        layer.buffer = mpi_buffer(layer.whole, nonblocking=True)
+        layer.request = self.comm.Iallgather(MPI.IN_PLACE, layer.buffer)
+        self.gathered_bytes += layer.padded * layer.whole.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def wait_gathered(self, i):
+        layer = self.layers[i]
+        self.gather(i)
+        if layer.request is not None:
+            layer.request.Wait()
+            from_mpi(layer.whole, layer.buffer)
+            layer.request = layer.buffer = None
+
+    def release(self, i):
+        self.layers[i].free()
+        self.gathered_bytes -= self.layers[i].padded * self.layers[i].whole.element_size()
+
+    def _before_forward(self, i):
+        self.wait_gathered(i)
+        if i + 1 < len(self.layers):
+            self.gather(i + 1)  # prefetch: the next layer arrives while this one computes
+        self.progress()
+
+    def _after_forward(self, i, out):
+        self.release(i)
+        if out.requires_grad:  # runs once out's gradient is in, before layer i's backward
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i):
+        self.wait_gathered(i)
+        if i > 0:
+            self.gather(i - 1)  # prefetch: backward runs the layers in reverse
+        self.progress()
+
+    # --- stages 2 and 3: reduce-scatter each layer's gradients as soon as backward has them --
+    def _grad_ready(self, i):
+        layer = self.layers[i]
+        self.arrived[i] += 1
+        if self.arrived[i] == len(layer.params):
+            flat = mpi_buffer(layer.flat_grad(), nonblocking=True)
+            received = mpi_buffer(layer.partition.grad, nonblocking=True)
+            request = self.comm.Ireduce_scatter_block(flat, received, op=MPI.SUM)
+            self.pending.append((layer, flat, received, request))
+            if self.stage == 3:
+                self.release(i)  # every node of its backward has run: each one fed a gradient
+        self.progress()
+
+    def progress(self):
+        """MPICH moves a non-blocking collective forward only inside MPI calls: poll them all."""
+        for *_, request in self.pending:
+            request.Test()
+        for layer in self.layers:
+            if layer.request is not None:
+                layer.request.Test()
+
+
+class FlatLayer:
+    """A layer's parameters as one flat vector, padded with zeros to a multiple of N. Rank r's
+    partition is elements [r S, (r + 1) S), S = padded / N. The module's parameters become views
+    into `whole`, so an all-gather into `whole` updates them; stage 3 frees `whole` between uses."""
+
+    def __init__(self, module, comm, stage, device):
+        self.params = list(module.parameters())
+        world_size, rank = comm.Get_size(), comm.Get_rank()
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = -(-self.numel // world_size) * world_size
+        self.size = self.padded // world_size
+        self.mine = slice(rank * self.size, (rank + 1) * self.size)
+        self.whole = torch.zeros(self.padded, device=device)
+        offset = 0
+        for p in self.params:
+            self.whole[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.whole[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        # What the optimizer updates: in stages 1 and 2 a view into the whole vector (the
+        # all-gather after the step then runs in place); in stage 3 all this rank keeps.
+        self.partition = self.whole[self.mine].clone() if stage == 3 else self.whole[self.mine]
+        if stage == 1:  # whole gradients: autograd adds into views of one flat buffer
+            self.grad_whole = torch.zeros(self.padded, device=device)
+            offset = 0
+            for p in self.params:
+                p.grad = self.grad_whole[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.partition.grad = self.grad_whole[:self.size]  # where an in-place reduce-scatter leaves it
+        else:  # stages 2 and 3 keep their partition of the gradients alone
+            self.partition.grad = torch.zeros(self.size, device=device)
+        self.request = None
+        if stage == 3:
+            self.free()
+
+    def flat_grad(self):
+        """This layer's whole gradient as one padded vector; the parameters' .grad are let go."""
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params]
+                         + [self.whole.new_zeros(self.padded - self.numel)])
+        for p in self.params:
+            p.grad = None
+        return flat
+
+    def free(self):
+        """Give back the whole vector's memory. The views (and autograd's saved tensors, views
+        too) keep their shapes, and see the values again once the next gather refills it."""
+        self.whole.untyped_storage().resize_(0)
+
+
+def memory_per_rank(zero):
+    """Bytes of parameters, gradients and optimizer state this rank holds, measured from the
+    tensors themselves (each storage once, padding included), and stage 3's peak of gathered
+    whole layers."""
+    def held(tensors):
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if t is not None}
+        return sum(n for pointer, n in storages.items() if pointer)
+
+    params = [p for layer in zero.layers for p in layer.params + [layer.partition]]
+    state = [v for s in zero.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    measured = {"parameters": held(params), "gradients": held(t.grad for t in params),
+                "optimizer": held(state), "gathered": zero.peak_gathered_bytes}
+    return {**measured, "total": sum(measured.values())}
+
+
+def memory_formula(zero):
+    """The paper's bytes per rank for this stage, with Psi counting the padding."""
+    sizes, n = [layer.padded for layer in zero.layers], zero.world_size
+    psi, neighbours = sum(sizes), max(a + b for a, b in zip(sizes, sizes[1:]))
+    formula = {"parameters": 4 * psi if zero.stage < 3 else 4 * psi // n,
+               "gradients": 4 * psi if zero.stage == 1 else 4 * psi // n,
+               "optimizer": 8 * psi // n, "gathered": 4 * neighbours if zero.stage == 3 else 0}
+    return {**formula, "total": sum(formula.values())}
+
+
+def whole_parameters(zero, model, comm):
+    """{name: whole tensor} of every parameter, on every rank (stage 3 all-gathers them)."""
+    full = {}
+    for layer in zero.layers:
+        whole = layer.whole
+        if zero.stage == 3:
+            whole = torch.zeros(layer.padded)
+            whole[layer.mine] = layer.partition.detach().cpu()
+            comm.Allgather(MPI.IN_PLACE, whole)
+        offset = 0
+        for p in layer.params:
+            full[p] = whole[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+    return {name: full[p] for name, p in model.named_parameters()}
+
+
+def train_step(model, zero, x, y, timeline):
+    with timeline.span("compute", "forward"):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    with timeline.span("compute", "backward"):
+        zero.backward(loss)
+    with timeline.span("compute", "optimizer"):
+        zero.step()
+    return loss.item()
+
+
+# -----------------------------------------------------------------------------
+# The model: the GPT of tensor_parallel.py as a list of layers, without the key bias
+# -----------------------------------------------------------------------------
+def attend(q, k, v, heads):
+    """Causal self-attention of `heads` heads."""
+    b, t, c = q.shape
+    q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return (weights @ v).transpose(1, 2).reshape(b, t, c)
+
+
+class Embedding(nn.Module):
+    def __init__(self, hidden, seq_len):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
+
+    def forward(self, idx):
+        return self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
+    weights, so float32 rounding differences between world sizes stay at rounding level.
+    No key bias: q.b_k adds the same number to every score of a query, which the softmax ignores,
+    so its gradient is zero in exact arithmetic and the bias stays at its initial zero. In float32
+    that gradient is rounding noise, which Adam, dividing each gradient by its own size, turns into
+    full steps: summing 4 slices' gradients instead of one batch's moved the key bias by 8e-6 in
+    30 steps and 6e-4 in 100, and every other parameter by less than 1e-6."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.q = nn.LayerNorm(hidden), nn.Linear(hidden, hidden)
+        self.k, self.v = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        a = self.ln1(x)
+        x = x + self.proj(attend(self.q(a), self.k(a), self.v(a), self.heads))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, x):
+        return self.out(self.norm(x))
+
+
+class GPT(nn.Module):
+    """Embeddings, --layers blocks, final LayerNorm and untied head: the layers ZeRO flattens."""
+
+    def __init__(self, layers, hidden, heads, seq_len):
+        super().__init__()
+        self.layers = nn.ModuleList([Embedding(hidden, seq_len)]
+                                    + [Block(hidden, heads) for _ in range(layers)] + [Head(hidden)])
+
+    def forward(self, idx):
+        x = idx
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_model(args):
+    """The full model from the seed, on the CPU: the same network at every world size."""
+    torch.manual_seed(args.seed)
+    model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    return model
+
+
+def shard_model(args, comm, device):
+    """The full model from the seed on every rank's CPU; ZeRO keeps on the device what this
+    stage keeps. Returns the model (its parameters views into ZeRO's flat vectors) and ZeRO."""
+    model = build_model(args)
+    return model, ZeRO(model, comm, args.zero_stage, args.lr, device)
+
+
+# -----------------------------------------------------------------------------
+# The data: characters of Python's own source, batches a function of (seed, step)
+# -----------------------------------------------------------------------------
+_TEXT = []
+
+
+def load_text():
+    """argparse.py, textwrap.py and shlex.py from this Python, bytes >= 128 replaced by '?'."""
+    if not _TEXT:
+        raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
+        _TEXT.append(torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long))
+    return _TEXT[0]
+
+
+def make_batch(seed, step, size, seq_len):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+    data = load_text()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
+    x = torch.stack([data[o:o + seq_len] for o in starts])
+    y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    return x, y
+
+
+# -----------------------------------------------------------------------------
+# The run: the step loop, and main() as a table of contents
+# -----------------------------------------------------------------------------
+def train(args, comm, device, model, zero, timeline, past=(), config=None):
+    """The steps after the `past` ones (their global losses, from a checkpoint), each rank on its
+    slice of the batch. Returns this rank's losses of the new steps and their timings."""
+    rank, world_size = comm.Get_rank(), comm.Get_size()
+    per_rank, losses, records = args.batch_size // world_size, [], []
+    for step in range(len(past), args.steps):
+        inject_failure(comm, step, model=zero)
+        start = time.perf_counter()
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        losses.append(train_step(model, zero, x[mine].to(device), y[mine].to(device), timeline))
+        records.append(timeline.step_record(start))
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
+            print_progress(comm, args, step, mean_loss, records[-1])
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            shard = zero_shard(zero, list(past) + global_losses(comm, losses))
+            save_checkpoint(comm, args.save, step + 1, shard, config)
+    return losses, records
+
+
+def global_losses(comm, losses):
+    """Every rank's loss is that of its slice; the step's loss is their mean."""
+    total = torch.tensor(losses, dtype=torch.float64)
+    comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+    return (total / comm.Get_size()).tolist()
+
+
+def main(argv=None, comm=MPI.COMM_WORLD):
+    """Parse, set up, train, check, report. Returns the exit status of this rank."""
+    try:
+        args = parse_args(argv, comm.Get_size())
+        check_paths(comm, args)
+        run = setup(comm, args)
+        counted = CountedComm(comm, run.timeline)
+        model, zero = shard_model(args, counted, run.device)
+        config = {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                  "seq_len": args.seq_len, "vocab": VOCAB}  # what the flat vectors depend on
+        past, resumed = [], None
+        if args.resume:
+            resumed, past = resume(comm, args, config, zero)
+        print_header(comm, args, run, model, zero, resumed)
+        losses, records = train(args, comm, run.device, model, zero, run.timeline, past, config)
+    except ConfigError as e:
+        print0(comm, f"error: {e}", file=sys.stderr)
+        return e.status
+    losses = past + global_losses(comm, losses)
+    every = comm.allgather(memory_per_rank(zero))  # the same on every rank: so is S
+    memory = {kind: max(m[kind] for m in every) for kind in every[0]}
+    diff = check(comm, args, losses, zero, model) if args.check else None
+    if args.trace:
+        write_trace(comm, run.timeline, args.trace)
+    return report(comm, args, run, zero, losses, records, counted, memory, diff)
+
+
+# =============================================================================
+# You may stop reading here: the strategy is all above. Below is the machinery that every
+# strategy file repeats in the same order and the same words: the check against single-process
+# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# =============================================================================
+
+# --- Check against single-process training -----------------------------------
+def reference_training(args):
+    """The same steps in one plain process on the CPU: the plain model, AdamW, the whole batch."""
+    model = build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    losses = []
+    for step in range(args.steps):
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+def check(comm, args, losses, zero, model):
+    """Every rank's whole parameters (stage 3 gathers them on the plain communicator, uncounted);
+    rank 0 trains the reference on the CPU and compares; every rank gets the largest difference.
+    Only float32 sums are reordered (each rank's gradient is that of its slice, then summed), but
+    Adam divides each gradient by its own size, which amplifies rounding. Summing the slices'
+    gradients instead of the batch's in one process moved the parameters by 7e-7 after 100 steps
+    (3 slices of the default 24), by 5e-7 after 50 and 2.4e-6 after 100 (4 slices of 16), at lr
+    1e-3; at lr 3e-3 by 2e-2 after 50 (a loss spike at step 35 turned rounding into chaos). With
+    eps 1e-8 one weight in 200k moved by 5e-5 in the first step (a step changes by up to
+    lr x delta / eps for a change delta of its gradient), hence EPS 1e-6."""
+    state, diff = whole_parameters(zero, model, comm), None
+    if comm.Get_rank() == 0:
+        diff = max_difference(losses, state, *reference_training(args))
+    return comm.bcast(diff, root=0)
+
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's."""
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    ref_state = ref_model.state_dict()
+    for name, t in state.items():
+        diff = max(diff, (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item())
+    return diff
+
+# --- Report: header, progress, summary, --json, --trace ----------------------
+def print_header(comm, args, run, model, zero, resumed):
+    params, padded = sum(p.numel() for p in model.parameters()), sum(layer.padded for layer in zero.layers)
+    if resumed:
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
+                     f"(written by {resumed['world_size']} ranks)")
+    print0(comm, *run.header,
+           f"ZeRO stage {args.zero_stage} | model: GPT, {args.layers} blocks, hidden {args.hidden}, "
+           f"{args.heads} heads, {params:,} parameters in {len(zero.layers)} layers, padded to {padded:,} "
+           f"(each layer a multiple of {comm.Get_size()}); this rank owns {padded // comm.Get_size():,}",
+           f"global batch {args.batch_size} x {args.seq_len} characters = {comm.Get_size()} ranks x "
+           f"{args.batch_size // comm.Get_size()} | AdamW, lr {args.lr:g}, eps {EPS:g}, "
+           f"weight decay {WEIGHT_DECAY:g}")
+
+def report(comm, args, run, zero, losses, records, counted, memory, diff):
+    """The summary, the check's verdict and --json; returns the exit status."""
+    world_size, steps_run, stage = comm.Get_size(), max(1, len(records)), args.zero_stage
+    calls = {k: v / steps_run for k, v in counted.calls.items()}
+    volume = {k: v / steps_run for k, v in counted.bytes.items()}
+    slowest = step_summary(comm, records)
+    psi = sum(layer.padded for layer in zero.layers)
+    vectors = 2 if stage < 3 else 3  # reduce-scatter + all-gather; stage 3 gathers twice
+    formula, ring = memory_formula(zero), vectors * (world_size - 1) / world_size * 4 * psi
+    print0(comm, f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is "
+                 f"ln {VOCAB} = {math.log(VOCAB):.4f})", summary_line(slowest),
+           "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
+           + f"; formula {vectors} x 4 Psi = {vectors * 4 * psi:,} bytes (Psi = {psi:,} with padding); "
+           f"a ring moves (N-1)/N of that per rank, {ring:,.0f}: "
+           + ("what an allreduce of the gradients moves" if stage < 3 else "1.5 x an allreduce"),
+           "memory per rank in bytes, measured (formula): "
+           + " | ".join(f"{k} {memory[k]:,} ({formula[k]:,})" for k in formula)
+           + f"; plain data parallelism: 16 Psi = {16 * psi:,}")
+    if run.device.type == "cuda":
+        print0(comm, f"CUDA peak allocated on rank 0: {torch.cuda.max_memory_allocated(run.device):,} bytes")
+    ok = verdict(comm, diff, "losses, parameters")
+    if args.json:
+        print0(comm, json.dumps({
+            **house_keys(comm, args, run, losses, slowest, diff),
+            "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
+            "zero_stage": stage, "param_count": sum(layer.numel for layer in zero.layers),
+            "padded_param_count": psi, "memory_bytes_per_rank": memory, "memory_bytes_formula": formula,
+            "comm_bytes_formula": vectors * 4 * psi, "ring_bytes_per_rank": ring,
+            "collectives_by_kind": calls}))
+    return 0 if ok else 1
+
+def print_progress(comm, args, step, loss, record):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
+                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+
+def summary_line(slowest):
+    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
+
+def verdict(comm, diff, compared):
+    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+    ok = diff is None or diff <= TOLERANCE
+    if diff is not None:
+        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
+                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+def house_keys(comm, args, run, losses, slowest, diff):
+    """The JSON keys every strategy file reports."""
+    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
+            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
+
+def step_summary(comm, records):
+    """Medians over steps after the first, of the slowest rank (by median step time)."""
+    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
+               for rank_records in comm.allgather(records)]
+    return max(medians, key=lambda m: m["step_s"])
+
+def write_trace(comm, timeline, path):
+    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
+    events = comm.gather(timeline.events, root=0)
+    if comm.Get_rank() == 0:
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
+        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
+                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
+        with open(path, "w") as out:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
+
+def print0(comm, *lines, file=sys.stdout):
+    if comm.Get_rank() == 0:  # rank 0 alone prints
+        print(*lines, sep="\n", file=file, flush=True)
+
+# --- Checkpoints: a folder appears whole or not at all ------------------------
+def checkpoints(root):
+    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
+    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
+    return [os.path.join(root, n) for n in names]
+
+def sha256(path):
+    with open(path, "rb") as stream:
+        return hashlib.sha256(stream.read()).hexdigest()
+
+def write_durably(path, data):
+    with open(path, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+def save_checkpoint(comm, root, step, shard, config, keep=2):
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
+    manifest and renames the folder to step-N: a job killed before the rename leaves the
+    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
+    every rank with one line, the previous checkpoint whole."""
+    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    files, error = {}, None
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    comm.Barrier()
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        inject_failure(comm, step, "save")
+        if shard is not None:
+            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
+            torch.save(shard, stream)
+            write_durably(os.path.join(tmp, name), stream.getvalue())
+            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+    except OSError as e:
+        error = f"rank {comm.Get_rank()}: {e}"
+    gathered = comm.gather((files, error), root=0)
+    if comm.Get_rank() == 0:
+        error = next((e for _, e in gathered if e), None)
+        try:
+            if error is None:
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # atomic: the checkpoint is now complete
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)  # make the rename itself durable
+                os.close(fd)
+                for old in checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (checkpoints(root) or ["none"])[-1]
+        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
+                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
+
+def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
+    Any problem on any rank is a ConfigError on every rank."""
+    error = manifest = shard = None
+    try:
+        found = checkpoints(root)
+        if not found:
+            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
+                              f"start without --resume to create one")
+        path = found[-1]
+        with open(os.path.join(path, "manifest.json")) as stream:
+            manifest = json.load(stream)
+        if manifest["strategy"] != STRATEGY:
+            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if manifest["step"] >= steps:
+            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
+                              f"train; ask for more steps to continue")
+        if same_world_size and manifest["world_size"] != comm.Get_size():
+            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
+                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
+        if manifest["config"] != config:
+            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
+        name = shard_name(manifest)
+        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
+        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except ConfigError as e:
+        error = str(e)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return manifest, shard
+
+def zero_shard(zero, losses):
+    """What each rank saves: its partition of every layer's parameters and Adam moments (copies:
+    a view would save the whole vector), each layer's unpadded size, and the losses so far."""
+    layers = []
+    for layer in zero.layers:
+        state = zero.optimizer.state[layer.partition]
+        layers.append({"params": layer.partition.detach().cpu().clone(), "numel": layer.numel,
+                       **{key: state[key].cpu().clone() for key in ("exp_avg", "exp_avg_sq")}})
+    return {"layers": layers, "adam_step": zero.optimizer.state[zero.layers[0].partition]["step"].item(),
+            "losses": list(losses)}
+
+def resume(comm, args, config, zero):
+    """Read every rank's shard of the latest checkpoint, whatever the world size that wrote it, and
+    re-cut each layer's vectors for this one: put back whole, padded for N, this rank's partition
+    taken. Returns the manifest and the losses so far."""
+    manifest, first = load_checkpoint(comm, args.save, config, lambda m: "rank-0.pt", args.steps,
+                                      same_world_size=False)
+    shards = [first] + [load_checkpoint(comm, args.save, config, lambda m, r=r: f"rank-{r}.pt", args.steps,
+                                        same_world_size=False)[1] for r in range(1, manifest["world_size"])]
+    for i, layer in enumerate(zero.layers):
+        def whole(key):
+            flat = torch.cat([shard["layers"][i][key] for shard in shards])[:layer.numel]
+            return torch.cat([flat, flat.new_zeros(layer.padded - layer.numel)]).to(layer.partition.device)
+        with torch.no_grad():
+            params = whole("params")
+            layer.partition.copy_(params[layer.mine])
+            if zero.stage < 3:
+                layer.whole.copy_(params)
+        zero.optimizer.state[layer.partition] = {"step": torch.tensor(float(shards[0]["adam_step"])),
+                                                 "exp_avg": whole("exp_avg")[layer.mine].clone(),
+                                                 "exp_avg_sq": whole("exp_avg_sq")[layer.mine].clone()}
+    return manifest, shards[0]["losses"]
+
+# --- Counters and timeline: measured around the strategy's own MPI calls -----
+class Timeline:
+    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
+    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
+    (step_record), so that timing never stalls the device in the middle of a step."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
+        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, mark):
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
+
+    @contextlib.contextmanager
+    def span(self, cat, name):
+        start, children = self._mark(), []
+        self.open.append(children)
+        try:
+            yield
+        finally:
+            self.open.pop()
+            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
+
+    def step_record(self, start):
+        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
+        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once a step: every event of the step has happened
+        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+
+        def own_time(name, cat, start_mark, end_mark, children):
+            begin, end = self._seconds(start_mark), self._seconds(end_mark)
+            self.events.append((name, cat, begin, end))
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            return end - begin
+
+        for span in self.closed:
+            own_time(*span)
+        self.closed = []
+        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
+        return record
+
+class CountedComm:
+    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
+    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
+    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
+    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+
+    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
+               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
+
+    def __init__(self, comm, timeline):
+        self.comm, self.timeline = comm, timeline
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def reset(self):
+        self.calls.clear(), self.bytes.clear()
+
+    def __getattr__(self, name):
+        call = getattr(self.comm, name)
+        if name not in self.COUNTED:
+            return call
+
+        def counted(*args, **kwargs):
+            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
+            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+            self.calls[name] += 1
+            self.bytes[name] += buffer.numel() * buffer.element_size()
+            with self.timeline.span("comm", name):
+                result = call(*args, **kwargs)
+            if not isinstance(result, MPI.Request):
+                return result
+            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
+        return counted
+
+class CountedRequest:
+    def __init__(self, request, timeline, cat, name):
+        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
+
+    def Test(self):
+        return self.request.Test()
+
+    def Wait(self):
+        with self.timeline.span(self.cat, self.name + " wait"):
+            while not self.request.Test():
+                time.sleep(POLL_S)
+
+# --- Device and MPI setup -----------------------------------------------------
+def setup(comm, args):
+    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    global CUDA_AWARE
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    if args.device == "cuda" or (args.device == "auto" and gpus):
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+        check_thread_level(MPI.Query_thread())
+        CUDA_AWARE = mpi_cuda_aware(comm)
+        if args.check:  # float32 against float32: no TF32 in the run or in the reference
+            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
+    else:
+        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
+        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
+        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+    comm.Barrier()  # the timeline's zero, about the same moment on every rank
+    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
+
+def mpi_cuda_aware(comm):
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
+    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        kinds = None
+    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    forced = os.environ.get("MPI_CUDA_AWARE")
+    if forced == "1" and says is False:
+        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
+                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
+                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
+    return forced == "1" if forced in ("0", "1") else bool(says)
+
+def cuda_in_kinds(kinds):
+    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
+    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
+    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
+
+def mpix_query_cuda_support():
+    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
+    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
+    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    return None
+
+def check_thread_level(provided):
+    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
+    if provided < MPI.THREAD_SERIALIZED:
+        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
+                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
+                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
+
+def mpi_library():
+    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
+    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
+    return text.strip().splitlines()[0].strip()
+
+def inject_failure(comm, step, during="step", model=None):
+    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
+    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
+    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
+    spec = os.environ.get("FAIL_AT", "")
+    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
+    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
+        return
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "oserror":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
+    if how != "nudge":
+        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
+
+# --- Arguments, and the paths a run will write, checked before anything is built
+class ConfigError(Exception):
+    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
+    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
+
+    def __init__(self, message, status=2):
+        super().__init__(message)
+        self.status = status
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage on every rank."""
+
+    def error(self, message):
+        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
+                          else message)
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+def checked(kind, ok, must):
+    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
+        return value
+    return parse
+
+COUNT = checked(int, lambda v: v > 0, "a positive integer")
+COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
+AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+
+def common_arguments(description, steps, batch_size, lr, log_every):
+    p = Parser(description=description)
+    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
+    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with single-process training (default: on)")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
+    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    return p
+
+def check_common(args):
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return args
+
+def parse_args(argv, world_size):
+    p = common_arguments("Sharded data parallelism over MPI (ZeRO 1, 2, 3): a small GPT on Python source.",
+                         steps=50, batch_size=24, lr=1e-3, log_every=10)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
+                   help="1: optimizer state sharded; 2: and gradients; 3: and parameters")
+    args = check_common(p.parse_args(argv))
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
+                          f"size; use a multiple of {args.heads}, e.g. {16 * args.heads}")
+    if args.batch_size % world_size:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {world_size} ranks; use a "
+                          f"multiple of {world_size}, e.g. {world_size}, {2 * world_size}, {3 * world_size}")
+    if args.seq_len >= len(load_text()):
+        raise ConfigError(f"--seq-len {args.seq_len} must be shorter than the text ({len(load_text())})")
+    return args
+
+def check_paths(comm, args):
+    """Before anything is built, each rank tries what it will write: --save, a folder (made if
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    rank, error = comm.Get_rank(), None
+    try:
+        if args.save:
+            if os.path.exists(args.save) and not os.path.isdir(args.save):
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", args.save)
+            os.makedirs(args.save, exist_ok=True)
+            write_durably(os.path.join(args.save, f".probe-{rank}"), b"")
+        if args.trace and rank == 0:
+            open(args.trace, "a").close()
+    except OSError as e:
+        error = f"cannot write {e.filename}: {e.strerror}"
+    comm.Barrier()
+    if args.save and error is None:  # a folder on a node-local disk hides the other nodes' probes
+        unseen = [r for r in range(comm.Get_size()) if not os.path.exists(os.path.join(args.save, f".probe-{r}"))]
+        error = unseen and (f"--save {args.save}: rank {rank} does not see the files of rank(s) "
+                            f"{', '.join(map(str, unseen))}; checkpoints need a folder every rank shares")
+    errors = [e for e in comm.allgather(error) if e]
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(os.path.join(args.save, f".probe-{rank}"))
+    if errors:
+        raise ConfigError(errors[0])
+
+def abort_on_exception(kind, value, tb):
+    """An exception on one rank must end the whole job, not leave the others in a collective."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    text = "".join(traceback.format_exception(kind, value, tb))
+    print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+if __name__ == "__main__":
+    sys.excepthook = abort_on_exception
+    sys.exit(main())
