@@ -632,9 +632,9 @@ def write_trace(comm, timeline, path):
         with open(path, "w") as out:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
 
-def print0(comm, *lines, file=sys.stdout):
-    if comm.Get_rank() == 0:  # rank 0 alone prints
-        print(*lines, sep="\n", file=file, flush=True)
+def print0(comm, *lines, file=None):
+    if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
+        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
 
 # --- Checkpoints: a folder appears whole or not at all ------------------------
 def checkpoints(root):
