@@ -274,6 +274,15 @@ class Exchange:
                 t.copy_(buf)
         return t
 
+    def gather(self, t, root=0, kind="gather"):
+        """Every rank's t, stacked in rank order: a new (N, *t.shape) tensor on root, None elsewhere."""
+        self._count(kind, t)
+        with self.timeline.span("comm", kind):
+            buf = self._to_mpi(t)
+            out = buf.new_empty((self.comm.Get_size(), *t.shape)) if self.comm.Get_rank() == root else None
+            self.comm.Gather(buf, out, root=root)
+        return None if out is None else out.to(t.device)
+
     def allgather(self, t, kind="allgather"):
         """Every rank's t, stacked in rank order: a new (N, *t.shape) tensor on every rank."""
         self._count(kind, t)
@@ -337,8 +346,9 @@ class GPT(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_model(args, device):
-    """The full model from the seed: the same network at every world size (GPT-2's init)."""
+def build_model(args, device="cpu"):
+    """The full model from the seed: the same network at every world size (GPT-2's init). On the
+    CPU unless asked: a rank cuts its slice from it there and moves only the slice to its device."""
     torch.manual_seed(args.seed)
     model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
     for m in model.modules():
@@ -395,12 +405,16 @@ def shard(t, dim, comm, groups=1, padded=None):
     return p
 
 
-def unshard(t, partition, exchange, kind="gather"):
-    """The full tensor from every rank's slice of it (the inverse of shard)."""
+def join_slices(pieces, partition):
+    """The full tensor from every rank's slice of it, in rank order (the inverse of shard)."""
     dim, groups, full_size = partition
-    pieces = exchange.allgather(t.detach().contiguous(), kind).unbind(0)
     parts = [torch.cat([piece.chunk(groups, dim)[k] for piece in pieces], dim) for k in range(groups)]
     return torch.cat(parts, dim).narrow(dim, 0, full_size)
+
+
+def unshard(t, partition, exchange, kind="gather"):
+    """The full tensor from every rank's slice of it, on every rank."""
+    return join_slices(exchange.allgather(t.detach().contiguous(), kind).unbind(0), partition)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -506,6 +520,19 @@ def unshard_model(model, exchange, of=lambda p: p):
             for name, p in model.named_parameters()}
 
 
+def gather_model(model, exchange, root=0):
+    """{name: full tensor} of every parameter on root's CPU, None on the other ranks: the check's
+    reference is the only full model of the job, and no rank's device ever holds one."""
+    full = {}
+    for name, p in model.named_parameters():
+        local = p.detach().cpu().contiguous()
+        if hasattr(p, "partition"):
+            pieces = exchange.gather(local, root)
+            local = None if pieces is None else join_slices(pieces.unbind(0), p.partition)
+        full[name] = local
+    return full if exchange.comm.Get_rank() == root else None
+
+
 def replicated_checksum(model):
     """A bitwise fingerprint of the parameters every rank holds whole."""
     crc = 0
@@ -554,11 +581,11 @@ def train_step(model, optimizer, x, y, exchange, timeline):
 
 
 def setup(args, exchange, device):
-    """The full model from the seed on every rank; each rank keeps its slice.
-    Returns the slice, its optimizer and the size of the full model."""
-    model = build_model(args, device)
+    """The full model from the seed on every rank's CPU; each rank cuts its slice and moves only
+    the slice to its device. Returns the slice, its optimizer and the size of the full model."""
+    model = build_model(args)
     full_params = sum(p.numel() for p in model.parameters())
-    model = shard_model(model, exchange)
+    model = shard_model(model, exchange).to(device)  # Module.to keeps the parameters' .partition
     # SGD with momentum, not Adam: Adam divides each gradient by its own size, so rounding noise
     # in a gradient that is zero in exact arithmetic (the key bias: softmax ignores a shift that
     # is the same for every key) becomes a full-size step. A 1e-6 nudge to one weight grew to
@@ -593,15 +620,18 @@ def train(args, comm, device, exchange, model, optimizer, done=(), config=None, 
 def generate(model, exchange, args, device):
     """Text from the sharded model, sampled without gathering the logits: the argmax of
     logits / temperature + Gumbel noise is a draw from their softmax (the Gumbel-max trick). The
-    noise comes from the same generator on every rank, so each rank takes the best of its own
-    columns, and two max-allreduces find the best score and its column: all ranks agree."""
+    noise comes from the same generator on every rank, one number per character of the
+    vocabulary whatever the padding, so the text is a function of the seed alone, the same at
+    every world size. Each rank adds its own columns' share of the noise and takes the best of
+    them, and two max-allreduces find the best score and its column: all ranks agree."""
     gen = torch.Generator().manual_seed(args.seed)
     text = list(PROMPT.encode())
     for _ in range(args.sample_chars):
         logits = model(torch.tensor([text[-args.seq_len:]], device=device))[0, -1].float()
         per = logits.numel()
         start = exchange.comm.Get_rank() * per
-        noise = -torch.empty(per * exchange.comm.Get_size()).exponential_(generator=gen).log()
+        noise = -torch.empty(VOCAB).exponential_(generator=gen).log()
+        noise = torch.cat([noise, noise.new_zeros(per * exchange.comm.Get_size() - VOCAB)])  # padding
         score = logits / TEMPERATURE + noise[start:start + per].to(device)
         score[torch.arange(start, start + per, device=device) >= VOCAB] = float("-inf")
         best = exchange.allreduce_max(score.max().reshape(1), "sample")
@@ -705,14 +735,15 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
 # -----------------------------------------------------------------------------
 # Check against single-process training
 # -----------------------------------------------------------------------------
-def reference_training(args, device):
-    """The same steps in one plain process: the unsharded model, nn.Linear, F.cross_entropy."""
-    model = build_model(args, device)
+def reference_training(args):
+    """The same steps in one plain process on the CPU: the unsharded model, nn.Linear,
+    F.cross_entropy. The CPU holds what no single device of a tensor-parallel job may."""
+    model = build_model(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     losses = []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -720,15 +751,20 @@ def reference_training(args, device):
     return losses, model
 
 
-def check(args, device, losses, full):
-    """Largest |difference| in losses and in final parameters (full: the gathered shards).
+def check(args, losses, full):
+    """Largest |difference| in losses and in final parameters (full: gather_model's tensors).
     Only float32 sums are reordered (row-parallel partial sums, the loss's reductions): measured
     5e-7 to 7e-7 after 100 steps at N = 1 to 4, 2e-6 after 300; TOLERANCE is 2e-5."""
-    ref_losses, ref_model = reference_training(args, device)
-    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    for name, p in ref_model.named_parameters():
-        diff = max(diff, (full[name].double() - p.detach().double()).abs().max().item())
-    return diff
+    return max_difference(losses, full, *reference_training(args))
+
+
+def max_difference(losses, full, ref_losses, ref_model):
+    """The largest |difference| of losses and parameters; NaN if any of them is NaN, which
+    fails the check (max() alone would pass over a NaN)."""
+    gaps = [abs(a - b) for a, b in zip(losses, ref_losses, strict=True)]
+    gaps += [(full[name].double() - p.detach().double()).abs().max().item()
+             for name, p in ref_model.named_parameters()]
+    return math.nan if any(math.isnan(gap) for gap in gaps) else max(gaps)
 
 
 # -----------------------------------------------------------------------------
@@ -823,8 +859,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     sample = generate(model, exchange, args, device) if args.sample_chars else None
     diff = None
     if args.check:
-        full = unshard_model(model, exchange)
-        diff = check(args, device, losses, full) if rank == 0 else None
+        full = gather_model(model, exchange)  # on rank 0's CPU; None on the others
+        diff = check(args, losses, full) if rank == 0 else None
         wait_quietly(comm)
         diff = comm.bcast(diff, root=0)
     if args.trace:

@@ -1,14 +1,17 @@
 """tensor_parallel.py: Megatron's pieces on sub-communicators of sizes 1 to 4, then the script as launched."""
 import copy
 import json
+import math
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import tensor_parallel as tp
-from harness import SIZES, agree, assert_refused, last_json, launch, max_everywhere, sub_comm
+from harness import SIZES, agree, assert_refused, last_json, launch, max_everywhere, sub_comm, world
 
 CPU = torch.device("cpu")
 # One layer against nn.Linear: the same products, sums over a few dozen terms reordered across
@@ -227,18 +230,119 @@ def test_training_equals_single_process_training_and_replicas_stay_identical(siz
     with sub_comm(size) as comm:
         diff, sums = 0.0, [0]
         if comm is not None:
-            args = tp.parse_args(SMALL + ["--steps", "4", "--sample-chars", "12"], size)
+            args = tp.parse_args(SMALL + ["--steps", "4", "--sample-chars", "0"], size)
             exchange = exchange_on(comm)
             model, optimizer, _ = tp.setup(args, exchange, CPU)
             losses, _ = tp.train(args, comm, CPU, exchange, model, optimizer)
             sums = comm.allgather(tp.replicated_checksum(model))
-            sample = tp.generate(model, exchange, args, CPU)
-            samples = comm.allgather(sample)
-            diff = tp.check(args, CPU, losses, tp.unshard_model(model, exchange))
+            full = tp.gather_model(model, exchange)  # the check's reference runs on rank 0 alone
+            diff = comm.bcast(tp.check(args, losses, full) if comm.Get_rank() == 0 else None)
         assert max_everywhere(diff) <= tp.TOLERANCE
         assert agree(len(set(sums)) == 1)  # LayerNorms, positions, biases: bitwise the same
-        assert agree(comm is None or (len(set(samples)) == 1 and len(sample) == 4 + 12
-                                      and sample.startswith(tp.PROMPT)))
+
+
+@pytest.mark.mpi
+def test_the_sample_is_a_function_of_the_seed_the_same_text_at_every_world_size():
+    """Trained two steps, then 40 characters written at N = 1 to 4: one text, on every rank.
+    Each rank must add its own columns' share of the noise; with one slice for all, N = 2 writes
+    another text."""
+    texts, ok = {}, True
+    for size in SIZES:
+        with sub_comm(size) as comm:
+            if comm is not None:
+                args = tp.parse_args(SMALL + ["--steps", "2", "--sample-chars", "40"], size)
+                exchange = exchange_on(comm)
+                model, optimizer, _ = tp.setup(args, exchange, CPU)
+                tp.train(args, comm, CPU, exchange, model, optimizer)
+                texts[size] = tp.generate(model, exchange, args, CPU)
+                ok &= len(set(comm.allgather(texts[size]))) == 1
+    texts = world().bcast(texts, root=0)  # rank 0 is in every sub-communicator
+    assert agree(ok), texts
+    assert len(texts) == len(SIZES) and len(set(texts.values())) == 1, texts
+    assert len(texts[1]) == len(tp.PROMPT) + 40 and texts[1].startswith(tp.PROMPT)
+
+
+class DeviceAllocations(TorchDispatchMode):
+    """Bytes of every new tensor an operation makes on one device (views and in-place ops make
+    none): with the meta device as the rank's accelerator, the CPU can count what lands there."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device, self.bytes = device, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (func.is_view or func._schema.is_mutable):
+            self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves(out)
+                              if isinstance(t, torch.Tensor) and t.device == self.device)
+        return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [1, 4])
+def test_each_rank_device_receives_its_slice_and_nothing_more(size):
+    """The full model is built on the CPU; only the slice goes to the device: the bytes allocated
+    there are exactly the rank's parameters (building there, then cutting, costs the full model
+    and the slice)."""
+    with sub_comm(size) as comm:
+        allocated = held = full = 0
+        if comm is not None:
+            args = tp.parse_args(SMALL, size)
+            meta = torch.device("meta")
+            with DeviceAllocations(meta) as counter:
+                model, _, full_params = tp.setup(args, exchange_on(comm), meta)
+            allocated, full = counter.bytes, 4 * full_params
+            held = sum(p.numel() * p.element_size() for p in model.parameters())
+            assert all(p.device == meta for p in model.parameters())
+        assert agree(allocated == held and held <= full), (allocated, held, full)
+        assert agree(comm is None or size == 1 or held < full / 2)
+
+
+@pytest.mark.mpi
+def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance():
+    """Negative control. The trained state is nudged by 1.5 x TOLERANCE, one parameter at a time
+    (a sliced one on the last rank only, so that the gathering to rank 0 is tested too; a
+    replicated one on every rank), then one loss; and one parameter is made NaN. The check must
+    report more than TOLERANCE each time, and within it when nothing is nudged."""
+    with sub_comm(3) as comm:  # 3 ranks: the vocabulary padded to 129, the last rank's slice odd
+        failures = []
+        if comm is not None:
+            rank, last, nudge = comm.Get_rank(), comm.Get_size() - 1, 1.5 * tp.TOLERANCE
+            args = tp.parse_args(SMALL + ["--steps", "2", "--sample-chars", "0"], 3)
+            exchange = exchange_on(comm)
+            model, optimizer, _ = tp.setup(args, exchange, CPU)
+            losses, _ = tp.train(args, comm, CPU, exchange, model, optimizer)
+            reference = tp.reference_training(args) if rank == 0 else None
+
+            def reported(losses):
+                full = tp.gather_model(model, exchange)
+                return comm.bcast(tp.max_difference(losses, full, *reference) if rank == 0 else None)
+
+            def nudged(p, value):
+                """The check's report with p's first element (on the ranks that hold it) set to value."""
+                element = p.detach().view(-1)[:1]
+                kept = element.clone()
+                if not hasattr(p, "partition") or rank == last:
+                    element.fill_(value)
+                report = reported(losses)
+                element.copy_(kept)
+                return report
+
+            failures = [] if reported(losses) <= tp.TOLERANCE else ["unperturbed"]
+            for name, p in model.named_parameters():
+                if not nudged(p, p.detach().view(-1)[0].item() + nudge) > tp.TOLERANCE:
+                    failures.append(name)
+            if not reported(losses[:-1] + [losses[-1] + nudge]) > tp.TOLERANCE:
+                failures.append("last loss")
+            if nudged(next(model.parameters()), math.nan) <= tp.TOLERANCE:
+                failures.append("NaN")
+            if comm.bcast(len(tp.gather_model(model, exchange) or {})) != len(list(model.parameters())):
+                failures.append("gather_model")
+        assert agree(comm is None or not failures), failures
+    with sub_comm(2) as pair:  # rank 0 alone receives the full model for the check
+        full = None if pair is None else tp.gather_model(tp.setup(
+            tp.parse_args(SMALL, 2), exchange_on(pair), CPU)[0], exchange_on(pair))
+        assert agree(pair is None or (full is None) == (pair.Get_rank() != 0))
 
 
 @pytest.mark.parametrize("argv, world, words", [
@@ -274,6 +378,7 @@ def test_world_sizes_agree_and_pass_their_check(tmp_path):
         assert run["comm_bytes_per_step"] == run["comm_bytes_formula"]
         assert max(abs(a - b) for a, b in zip(run["losses"], runs[1]["losses"])) <= tp.TOLERANCE
         assert run["losses"][-1] < run["losses"][0]
+        assert run["sample"] == runs[1]["sample"]  # the text is a function of the seed alone
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert {"forward", "backward", "optimizer", "f", "g", "cross-entropy"} <= \
