@@ -73,6 +73,8 @@ STRATEGY = "data_parallel"
 # Largest |difference| allowed against single-process training (float32). Measured: at most 4.8e-6
 # over N = 1..4, with and without --sync-bn, accumulation and small buckets; 1.9e-6 for the default
 # run. A fourfold margin over the worst case, well below what one wrong step would give (1e-3).
+# Not for BatchNorm over 3 samples (batch 24 on 4 ranks with --accum-steps 2): the variance of 3
+# samples amplifies rounding to 4.5e-5 in 12 steps. Check with 6 or more per rank and micro-step.
 TOLERANCE = 2e-5
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 

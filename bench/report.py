@@ -171,7 +171,10 @@ def header(meta, runs):
     for (ranks, env, error), groups in failed.items():
         lines.append(f"Job `{' '.join(groups)} -np {ranks}" + "".join(f" {k}={v}" for k, v in env)
                      + f"` failed: {error}.")
-    return lines + ([""] if failed else [])
+    trace_error = (meta.get("trace") or {}).get("error")
+    if trace_error:
+        lines.append(f"The pipeline_parallel.py --trace run for the timeline picture failed: {trace_error}.")
+    return lines + ([""] if failed or trace_error else [])
 
 
 def data_parallel(meta, runs, cores):

@@ -1,7 +1,7 @@
 """Benchmark every strategy against its peers and the machine's limit; print and save the table.
 
     python bench/run.py              # the full table, under 10 minutes on 2 CPU cores
-    python bench/run.py --quick      # a smoke test in about a minute (2 ranks, one round)
+    python bench/run.py --quick      # a smoke test in about two minutes (2 ranks, one round)
     python bench/run.py --gpu        # every strategy on --device cuda with --check, one GPU
 
 Each measurement is one `mpirun -np N python bench/worker.py GROUP` job, started from this plain
@@ -9,7 +9,8 @@ process with the MPI environment removed and a time limit, so that it runs as a 
 and a hung job cannot hang the benchmark. Inside a job the strategy scripts and their peers take
 turns, round after round, so that every ratio is taken between runs on the same ranks at the
 same time. The table goes to standard output and to bench/results.md, the raw numbers to
-bench/results.json.
+bench/results.json, and one short pipeline_parallel.py --trace run to bench/results-trace.json;
+the pictures drawn from them (bench/plots.py, with matplotlib) to bench/results-*.png.
 """
 import argparse
 import collections
@@ -29,8 +30,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
 from harness import clean_env  # noqa: E402  (the tests' rule for a clean MPI environment)
 import report  # noqa: E402
+import plots  # noqa: E402  (imports matplotlib only when it draws)
 
-BUDGET = {"full": 570, "quick": 150, "gpu": 280}  # seconds: no job runs past them
+BUDGET = {"full": 570, "quick": 180, "gpu": 280}  # seconds, the traced run included: no job runs past them
 MODE_ENV = {"gpu": {"MPI_CUDA_AWARE": 0}}  # for every job of a mode: on the GPU, MPI gets host copies
 MIN_JOB_SECONDS = 20
 STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_parallel")
@@ -39,6 +41,12 @@ GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_para
 
 
 Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
+
+# The run one step of which the timeline picture shows: 2 ranks, so that on 2 cores the waits drawn
+# are the schedule's and not the ranks taking turns on a core.
+TRACE_RANKS = 2
+TRACE_FLAGS = ["--schedule", "1f1b", "--micro-batches", "8", "--steps", "5"]
+TRACE_TIMEOUT = 120  # seconds
 
 
 def plan(mode):
@@ -103,6 +111,41 @@ def merge(runs):
     return list(merged.values())
 
 
+def record_trace(mode, path, seconds_left):
+    """One short pipeline_parallel.py run with --trace FILE, for the timeline picture; the command
+    is kept in the trace's otherData. Returns an error line, or None."""
+    path.unlink(missing_ok=True)  # never a picture of an older run under this one's name
+    if not present("pipeline_parallel"):
+        return "pipeline_parallel.py is not in this checkout"
+    if seconds_left < MIN_JOB_SECONDS:
+        return f"not run: the {BUDGET[mode]} s budget of the whole run was spent"
+    ranks, flags = TRACE_RANKS, TRACE_FLAGS + ["--device", "cuda" if mode == "gpu" else "cpu"]
+    load = load_average()
+    _, error = launch(ROOT / "pipeline_parallel.py", ranks,
+                      [*flags, "--no-check", "--log-every", 10 ** 6, "--trace", path.resolve()],
+                      MODE_ENV.get(mode, {}), min(TRACE_TIMEOUT, seconds_left))
+    if error is not None:
+        path.unlink(missing_ok=True)
+    else:
+        trace = json.loads(path.read_text())
+        command = f"mpirun -np {ranks} python pipeline_parallel.py " + " ".join(flags)
+        path.write_text(json.dumps({**trace, "otherData": {"command": command,
+                                                            "load": [load, load_average()]}}))
+    return error
+
+
+def pictures(meta, runs, trace, stem):
+    """Draw what can be drawn; without matplotlib, one line says the pictures were skipped."""
+    try:
+        written = plots.draw(meta, runs, trace, stem)
+    except ImportError:
+        print("pictures skipped: matplotlib is not installed (pip install -r bench/requirements.txt)",
+              file=sys.stderr)
+        return
+    print("pictures: " + (", ".join(str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p)
+                                    for p in written) or "none (no numbers to draw)"), file=sys.stderr)
+
+
 def present(name):
     """Is the strategy file in this checkout? (Benchmarks run on what the repository holds.)"""
     return (ROOT / f"{name}.py").is_file()
@@ -127,11 +170,15 @@ def main(argv=None):
     mode.add_argument("--quick", action="store_true", help="smoke test: 2 ranks, one short round")
     mode.add_argument("--gpu", action="store_true", help="--device cuda, with --check, at 1 and 2 ranks")
     p.add_argument("--out", default=None, help="markdown file (default: bench/results[-quick|-gpu].md)")
-    p.add_argument("--from-json", metavar="FILE", help="measure nothing: the table of a saved results.json")
+    p.add_argument("--from-json", metavar="FILE", help="measure nothing: print the table of a saved "
+                   "results.json and draw its pictures beside it (with FILE-trace.json's timeline)")
     args = p.parse_args(argv)
     if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
+        path = Path(args.from_json)
+        saved = json.loads(path.read_text())
         print(report.render(saved["meta"], saved["runs"]))
+        pictures(saved["meta"], saved["runs"], path.with_name(f"{path.stem}-trace.json"),
+                 path.with_suffix(""))
         return 0
     name = "quick" if args.quick else "gpu" if args.gpu else "full"
     out = Path(args.out) if args.out else HERE / f"results{'' if name == 'full' else '-' + name}.md"
@@ -173,6 +220,14 @@ def main(argv=None):
                          "result": {**layout, **result["groups"][group]} if result else None,
                          "error": error, "seconds": time.perf_counter() - began,
                          "load": [load, load_average()]})
+    # Last, in what is left of the budget: the tables come first, the timeline picture after.
+    trace = out.with_name(f"{out.stem}-trace.json")
+    print(f"[{time.perf_counter() - start:5.0f} s] pipeline_parallel.py --trace for the timeline picture ...",
+          file=sys.stderr, flush=True)
+    trace_error = record_trace(name, trace, BUDGET[name] - (time.perf_counter() - start))
+    meta["trace"] = {"file": trace.name, "error": trace_error}
+    if trace_error:
+        print(f"         pipeline_parallel.py --trace: {trace_error}", file=sys.stderr, flush=True)
     meta["seconds"] = time.perf_counter() - start
     runs = merge(runs)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
@@ -180,7 +235,8 @@ def main(argv=None):
     print(table)
     out.write_text(table)
     print(f"written: {out} and {out.with_suffix('.json')} ({meta['seconds']:.0f} s)", file=sys.stderr)
-    return 0 if all(r["error"] is None for r in runs) else 1
+    pictures(meta, runs, trace, out.with_suffix(""))
+    return 0 if all(r["error"] is None for r in runs) and trace_error is None else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""bench/: the table writer on made-up numbers, and one short measuring job end to end."""
+"""bench/: the table writer and the pictures on made-up numbers, and one short measuring job end to end."""
 import json
+import sys
 
 import pytest
 
 from bench import report
-from harness import launch, last_json
+from harness import launch, last_json, world
 
 
 def case(label, tags, seconds, **result):
@@ -65,3 +66,115 @@ def test_a_short_data_parallel_job_measures_every_case_and_ddp_trains_the_same_m
     assert all("error" not in r for r in cases.values()), json.dumps(cases)[:2000]
     ours, ddp = cases["data_parallel.py"]["losses"], cases["PyTorch DDP (gloo)"]["losses"]
     assert max(abs(a - b) for a, b in zip(ours, ddp)) < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# The pictures: the numbers they pick need no matplotlib; the drawing is skipped without it
+# -----------------------------------------------------------------------------
+def pipeline_job():
+    """A pipeline job at N = 2 with a schedule the tables do not know by name, and model parallelism."""
+    def pp(schedule, m, bubble, theory):
+        return case(f"pipeline_parallel.py --schedule {schedule} --micro-batches {m}",
+                    {"kind": "strategy", "strategy": "pipeline_parallel", "schedule": schedule, "m": m},
+                    [0.1], bubble_fraction=bubble, bubble_fraction_theory=theory)
+    return {"group": "pp", "ranks": 2, "env": {}, "error": None, "result": {
+        "steps": 3, "rounds": 1, "cases": [
+            pp("zb-h1", 4, 0.15, 0.1), pp("1f1b", 4, 0.3, 0.2), pp("zb-h1", 2, 0.25, 0.2),
+            case("model_parallel.py", {"kind": "strategy", "strategy": "model_parallel"}, [0.1],
+                 idle_fraction=[0.4, 0.6]),
+            case("torch.distributed.pipelining Schedule1F1B, M = 4",
+                 {"kind": "peer", "schedule": "1f1b", "m": 4}, [0.2])]}}
+
+
+def test_the_bubble_picture_takes_every_schedule_found_in_the_results():
+    from bench import run  # noqa: F401  (puts bench/ on the path, as `python bench/run.py` does)
+    import plots
+    series, model = plots.bubble_series([pipeline_job()] + runs([0.02, 0.02, 0.02]))
+    assert series == {2: {"zb-h1": [(2, 0.25, 0.2), (4, 0.15, 0.1)], "1f1b": [(4, 0.3, 0.2)]}}
+    assert model == {2: (0.5, 0.5)}
+    # The scaling picture: speedup paired by round against N = 1 on one thread (0.020 / 0.011).
+    points = plots.scaling_series(runs([0.02, 0.02, 0.02]))["data_parallel.py"]
+    assert [(n, t) for n, t, *_ in points] == [(1, 1), (1, 2), (2, 1), (4, 1)]
+    assert points[2][2] == pytest.approx(11.0) and points[2][5] == pytest.approx(0.020 / 0.011)
+
+
+def test_the_timeline_picture_takes_the_median_step_of_every_rank():
+    from bench import run  # noqa: F401
+    import plots
+
+    def x(rank, name, cat, start, end):  # milliseconds here; microseconds in the trace, as --trace writes
+        return {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": 0, "ts": 1e3 * start,
+                "dur": 1e3 * (end - start)}
+
+    def step(at, wait):  # rank 1 waits `wait` ms for rank 0's forward; steps begin at `at` ms
+        return [x(0, "F0", "compute", at, at + 1), x(0, "send", "comm", at + 1, at + 1.01),
+                x(0, "wait recv", "idle", at + 1.01, at + 2 + wait),
+                x(0, "B0", "compute", at + 2 + wait, at + 3 + wait),
+                x(0, "W0", "compute", at + 3 + wait, at + 3.5 + wait),
+                x(0, "optimizer", "compute", at + 3.5 + wait, at + 3.6 + wait),
+                x(1, "wait recv", "idle", at - 0.5, at + 1 + wait),
+                x(1, "F0", "compute", at + 1 + wait, at + 1.5 + wait),
+                x(1, "B0", "compute", at + 1.5 + wait, at + 2 + wait),
+                x(1, "optimizer", "compute", at + 2 + wait, at + 2.1 + wait)]
+    # Steps of 4.1 + wait ms: the first is left out, then 13.1, 8.1, 11.1 ms: step 4 is the median.
+    trace = {"traceEvents": [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}}]
+             + step(0.5, 50) + step(100, 9) + step(200, 4) + step(300, 7)}
+    steps, k, count = plots.median_step(trace)
+    assert (k, count) == (4, 4)
+    assert [(name, kind) for name, kind, _, _ in steps[0]] == [
+        ("F0", "forward"), ("send", "send / receive"), ("wait recv", "waiting for a peer"),
+        ("B0", "backward"), ("W0", "weight gradient"), ("optimizer", "optimizer")]
+    # Rank 1's step starts first (at 299.5 ms), waiting for rank 0's forward: the origin.
+    assert [(name, round(s, 3), round(e, 3)) for name, _, s, e in steps[1]] == [
+        ("wait recv", 0.0, 8.5), ("F0", 8.5, 9.0), ("B0", 9.0, 9.5), ("optimizer", 9.5, 9.6)]
+    assert (round(steps[0][0][2], 3), round(steps[0][-1][3], 3)) == (0.5, 11.1)
+
+
+def test_the_step_drawn_from_the_saved_trace_holds_every_micro_batch_once_on_every_rank():
+    from bench import run
+    import plots
+    trace = json.loads((run.HERE / "results-trace.json").read_text())
+    flags = trace["otherData"]["command"].split()
+    ranks, m = int(flags[flags.index("-np") + 1]), int(flags[flags.index("--micro-batches") + 1])
+    steps, k, count = plots.median_step(trace)
+    assert sorted(steps) == list(range(ranks)) and 1 < k <= count
+    for spans in steps.values():
+        names = sorted(name for name, kind, _, _ in spans if kind in ("forward", "backward", "optimizer"))
+        assert names == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] + ["optimizer"])
+
+
+def saved_results(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": {**META, "trace": {"file": "results-trace.json", "error": None}},
+                                "runs": [pipeline_job()] + runs([0.02, 0.02, 0.02])}))
+    return path
+
+
+def test_without_matplotlib_the_tables_are_written_and_one_line_says_the_pictures_were_skipped(
+        tmp_path, monkeypatch, capsys):
+    from bench import run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert run.main(["--from-json", str(saved_results(tmp_path))]) == 0
+    out, err = capsys.readouterr()
+    assert "## Scaling" in out
+    assert [line for line in err.splitlines() if "pictures" in line] == [
+        "pictures skipped: matplotlib is not installed (pip install -r bench/requirements.txt)"]
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_pictures_are_drawn_from_saved_results(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    if world().Get_rank() != 0:  # once is enough: under mpirun the ranks would share the cores
+        pytest.skip("drawn on rank 0")
+    from bench import run
+    path = saved_results(tmp_path)
+    (tmp_path / "results-timeline.png").write_bytes(b"a picture of an older run")
+    assert run.main(["--from-json", str(path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["results-bubble.png", "results-scaling.png"]
+    (tmp_path / "results-trace.json").write_text(json.dumps({"traceEvents": [
+        {"name": n, "cat": "compute", "ph": "X", "pid": 0, "tid": 0, "ts": s, "dur": 1000}
+        for n, s in (("F0", 0), ("B0", 1000), ("optimizer", 2000))]}))
+    assert run.main(["--from-json", str(path)]) == 0
+    pictures = sorted(tmp_path.glob("*.png"))
+    assert [p.name for p in pictures] == ["results-bubble.png", "results-scaling.png", "results-timeline.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pictures)

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import data_parallel as dp
-from harness import SIZES, agree, last_json, launch, max_everywhere, sub_comm
+from harness import SIZES, agree, clean_env, last_json, launch, max_everywhere, sub_comm
 
 CPU = torch.device("cpu")
 
@@ -103,6 +103,37 @@ def test_training_steps_equal_the_single_process_reference(size, flags):
             ref_losses, ref_model = dp.reference_training(dp.parse_args(argv, size), [size] * 3, CPU)
             diff = dp.max_difference(losses, model.state_dict(), ref_losses, ref_model)
         assert max_everywhere(diff) <= dp.TOLERANCE
+
+
+@pytest.mark.mpi
+def test_the_check_catches_a_difference_just_above_its_tolerance():
+    """A negative control: every parameter in turn, and one loss, moved by 1.5x the tolerance."""
+    with sub_comm(2) as comm:
+        caught = True
+        if comm is not None:
+            argv = ["--steps", "2", "--batch-size", "8"]
+            losses, model, _ = run_steps(comm, argv)
+            reference = dp.reference_training(dp.parse_args(argv, 2), [2, 2], CPU)
+            state = model.state_dict()
+            caught = dp.max_difference(losses, state, *reference) <= dp.TOLERANCE
+            for name, t in state.items():
+                if t.is_floating_point():
+                    nudged = dict(state, **{name: t + 1.5 * dp.TOLERANCE * (torch.arange(t.numel()) == t.numel() // 2).view_as(t)})
+                    caught = caught and dp.max_difference(losses, nudged, *reference) > dp.TOLERANCE
+            caught = caught and dp.max_difference([losses[0], losses[1] + 1.5 * dp.TOLERANCE], state,
+                                                  *reference) > dp.TOLERANCE
+        assert agree(caught)
+
+
+@pytest.mark.mpi
+def test_replicate_broadcasts_rank_0_weights_to_ranks_that_start_elsewhere():
+    with sub_comm(3) as comm:
+        same = True
+        if comm is not None:
+            args = dp.parse_args(["--batch-size", "6", "--seed", str(comm.Get_rank())], 3)  # a seed per rank
+            model, _, _ = dp.replicate(args, comm, CPU)
+            same = dp.checksum(model) == dp.checksum(dp.build_model(0, CPU))
+        assert agree(same)
 
 
 @pytest.mark.mpi
@@ -215,3 +246,19 @@ def test_trace_is_chrome_trace_json_with_one_track_per_rank(tmp_path):
         names = {e["name"] for e in spans if e["pid"] == rank}
         assert {"forward", "backward", "optimizer", "Iallreduce", "Iallreduce wait"} <= names
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    # Overlap, where it is claimed: each step, each rank starts a bucket's allreduce while its
+    # backward span is still open (three steps, so three backward spans per rank).
+    for rank in range(3):
+        backward = [e for e in spans if e["pid"] == rank and e["name"] == "backward"]
+        starts = [e["ts"] for e in spans if e["pid"] == rank and e["name"] == "Iallreduce"]
+        inside = [b for b in backward if any(b["ts"] <= t <= b["ts"] + b["dur"] for t in starts)]
+        assert len(backward) == 3 and len(inside) == 3, (rank, backward, starts)
+
+
+@pytest.mark.e2e
+def test_a_nudged_parameter_makes_the_check_fail():
+    """The launch-level negative control: every rank moves one weight by 10x the tolerance at
+    the last step; the check must say FAIL and the job exit 1."""
+    result = launch("data_parallel.py", 2, "--steps", "3", "--batch-size", "8",
+                    env=clean_env(FAIL_AT="*:2:nudge"))
+    assert result.returncode == 1 and "-> FAIL" in result.stdout, result.stdout + result.stderr
