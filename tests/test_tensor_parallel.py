@@ -412,12 +412,5 @@ def test_a_nudged_parameter_fails_the_check():
 
 
 @pytest.mark.e2e
-def test_a_save_path_that_is_a_file_is_refused_before_training(tmp_path):
-    (tmp_path / "file").write_text("")
-    line = assert_refused(launch("tensor_parallel.py", 2, "--save", tmp_path / "file"), "cannot write")
-    assert str(tmp_path / "file") in line
-
-
-@pytest.mark.e2e
 def test_heads_that_do_not_split_exit_2_with_one_line():
     assert_refused(launch("tensor_parallel.py", 3), "1, 2, 4")
