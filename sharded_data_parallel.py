@@ -541,12 +541,11 @@ def check(comm, args, losses, zero, model):
 
 def max_difference(losses, state, ref_losses, ref_model):
     """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
-    whole model or of a part of it) against the reference model's."""
-    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
     ref_state = ref_model.state_dict()
-    for name, t in state.items():
-        diff = max(diff, (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item())
-    return diff
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: header, progress, summary, --json, --trace ----------------------
 def print_header(comm, args, run, model, zero, resumed):
