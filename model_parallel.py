@@ -184,6 +184,15 @@ def inject_failure(comm, step, during="step"):
         raise RuntimeError(f"injected failure (FAIL_AT={spec})")
 
 
+def resident_bytes():
+    """This process's resident memory now, from /proc/self/statm (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -285,13 +294,6 @@ class Transfer:
         return self.t
 
 
-def wait_quietly(comm):
-    """A barrier that sleeps between polls: ranks with nothing to do leave the cores to rank 0."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(POLL_S)
-
-
 # -----------------------------------------------------------------------------
 # Model: a GPT-2 style character-level language model, built whole, then cut into stages
 # -----------------------------------------------------------------------------
@@ -350,9 +352,9 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_model(args, device):
-    """The full model from the seed: the same network at every world size (GPT-2's init).
-    One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
+def build_model(args):
+    """The full model from the seed, on the CPU: the same network at every world size (GPT-2's
+    init). One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
     torch.manual_seed(args.seed)
     model = nn.Sequential(Embedding(args.hidden, args.seq_len),
                           *(Block(args.hidden, args.heads, args.seq_len) for _ in range(args.layers)),
@@ -362,7 +364,7 @@ def build_model(args, device):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
-    return model.to(device)
+    return model
 
 
 def layer_split(layers, n):
@@ -376,6 +378,13 @@ def stage_of(model, rank, n):
     """This rank's slice of the full model: its blocks, with the embeddings first, the head last."""
     lo, hi = layer_split(len(model) - 2, n)[rank]
     return model[0 if rank == 0 else lo + 1:len(model) if rank == n - 1 else hi + 1]
+
+
+def build_stage(args, rank, n, device):
+    """This rank's stage alone on its device. The whole model is built on the CPU, so that the seed
+    gives the same weights at every world size, and the other stages' layers are freed on return:
+    no rank keeps the full model, and no device ever holds more than its stage."""
+    return stage_of(build_model(args), rank, n).to(device)
 
 
 def describe_split(layers, n):
@@ -408,7 +417,7 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The model-parallel training step: forward down the ranks, backward back up
 # -----------------------------------------------------------------------------
-TAGS = {"act": 1, "grad": 2}  # tag 0: the shapes, before training
+TAGS = {"act": 1, "grad": 2, "check": 3}  # tag 0: the shapes, before training
 
 
 def agree_shapes(stage, comm, batch, seq_len, device):
@@ -432,7 +441,7 @@ def train_step(stage, optimizer, x, y, shapes, exchange, timeline):
     """One optimizer step on the whole batch. Returns the loss on the last rank, elsewhere 0.
     While one rank computes, every other rank waits for its activations or its gradient."""
     rank, n = exchange.comm.Get_rank(), exchange.comm.Get_size()
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad()  # no gradient memory until backward makes it, while the activations peak
     inp = x
     if rank > 0:
         buf = torch.empty(shapes["act"][0], dtype=shapes["act"][1], device=x.device)
@@ -551,13 +560,13 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
 # -----------------------------------------------------------------------------
 # Check against single-process training
 # -----------------------------------------------------------------------------
-def reference_training(args, device):
-    """The same steps in one plain process: the unsplit model on the whole batch at once."""
-    model = build_model(args, device)
+def reference_training(args):
+    """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
+    model = build_model(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     losses = []
     for step in range(args.steps):
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -566,23 +575,30 @@ def reference_training(args, device):
     return losses, model
 
 
-def check(args, exchange, device, losses, model, stage):
-    """Largest |difference| in losses and in final parameters. Rank 0 trains the reference and
-    broadcasts its parameters; each rank compares those of its own stage."""
-    comm, diff = exchange.comm, 0.0
-    where, at = {}, 0  # parameter -> its place in the flat vector of all parameters
-    for p in model.parameters():
-        where[p], at = (at, at + p.numel()), at + p.numel()
-    flat = torch.empty(at, device=device)
-    if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args, device)
+def check(args, comm, losses, stage, reference=None):
+    """Largest |difference| in losses and in final parameters. Rank 0 trains the reference on the
+    CPU (or takes reference, its (losses, model)) and sends each rank the parameters of that rank's
+    stage alone, which it compares with its own: no other rank ever holds the whole model."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    diff, expected = 0.0, torch.empty(sum(p.numel() for p in stage.parameters()))
+    if rank == 0:
+        ref_losses, ref_model = reference or reference_training(args)
         diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        flat = torch.cat([p.detach().reshape(-1) for p in ref_model.parameters()])
-    wait_quietly(comm)
-    exchange.bcast(flat, root=0)
+        for r in reversed(range(n)):
+            flat = torch.cat([p.detach().reshape(-1) for p in stage_of(ref_model, r, n).parameters()])
+            if r > 0:
+                comm.Send(flat, dest=r, tag=TAGS["check"])
+            else:
+                expected = flat
+    else:
+        request = comm.Irecv(expected, source=0, tag=TAGS["check"])
+        while not request.Test():  # rank 0 trains the reference meanwhile: leave it the core
+            time.sleep(POLL_S)
+    at = 0
     for p in stage.parameters():
-        lo, hi = where[p]
-        diff = max(diff, (p.detach().reshape(-1).double() - flat[lo:hi].double()).abs().max().item())
+        got = p.detach().reshape(-1).cpu().double()
+        diff = max(diff, (got - expected[at:at + p.numel()].double()).abs().max().item())
+        at += p.numel()
     return comm.allreduce(diff, op=MPI.MAX)
 
 
@@ -675,8 +691,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     n = world_size
     ideal = [[("F", r, r + 1), ("B", 2 * n - 1 - r, 2 * n - r)] for r in range(n)]
 
-    model = build_model(args, device)  # whole on every rank, from the seed; each keeps its stage
-    stage = stage_of(model, rank, n)
+    stage = build_stage(args, rank, n, device)  # cut from the whole built on the CPU; the rest freed
     optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
     config = {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
               "seq_len": args.seq_len, "vocab": VOCAB}  # the network the shards belong to
@@ -695,8 +710,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         say(comm, f"resumed from {args.save} at step {manifest['step']} "
                   f"(written by {manifest['world_size']} ranks)")
     shapes = agree_shapes(stage, comm, args.batch_size, args.seq_len, device)
-    params = sum(p.numel() for p in model.parameters())
     stage_params = comm.allgather(sum(p.numel() for p in stage.parameters()))
+    params = sum(stage_params)
     transport = "n/a (CPU)" if device.type == "cpu" else (
         "direct (CUDA-aware MPI)" if cuda_aware else "staged through host memory")
     say(comm, f"{STRATEGY} | {world_size} ranks | device {device.type} | {mpi_library()}",
@@ -724,6 +739,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         sync(device)
         window = (start, time.perf_counter())
         record = {"step_s": window[1] - start, **{f"{k}_s": v for k, v in timeline.take().items()}}
+        record["resident"] = resident_bytes()  # the stage, its gradients and momentum, what the step left
         record["wait_s"] = record.pop("idle_s", 0.0)  # blocked on a peer
         record["idle_s"] = max(0.0, record["step_s"] - record.get("compute_s", 0) - record.get("comm_s", 0))
         records.append(record)
@@ -749,8 +765,9 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     param_bytes = comm.allgather(sum(p.numel() * p.element_size() for p in stage.parameters()))
     state_bytes = comm.allgather(sum(t.numel() * t.element_size() for s in optimizer.state.values()
                                      for t in s.values() if torch.is_tensor(t)))
-    one_process = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    diff = check(args, exchange, device, losses, model, stage) if args.check else None
+    one_process = 2 * sum(param_bytes)
+    resident = comm.allgather(max(r["resident"] or 0 for r in records) if records[0]["resident"] else None)
+    diff = check(args, comm, losses, stage) if args.check else None
     if args.trace:
         write_trace(comm, timeline, args.trace, t0)
 
@@ -793,7 +810,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
             "layer_split": layer_split(args.layers, n), "stage_params": stage_params,
             "busy_fraction": busy, "idle_fraction": waits, "busy_fraction_ideal": 1 / n,
             "param_bytes": param_bytes, "optimizer_state_bytes": state_bytes,
-            "single_process_bytes": one_process}))
+            "single_process_bytes": one_process, "resident_bytes": resident}))
     return 0 if ok else 1
 
 
