@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import model_parallel as mp
-from harness import SIZES, agree, assert_refused, last_json, launch, max_everywhere, sub_comm, world
+from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
 
 TINY = ["--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "6", "--steps", "3",
         "--seed", "5"]
@@ -44,12 +44,13 @@ def train_split(args, comm):
     device = torch.device("cpu")
     # A fair share of the cores for every rank of the job, not only of this sub-communicator.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
-    exchange = mp.Exchange(comm, mp.Timeline(device), False)
+    timeline = mp.Timeline(device)
     stage = mp.build_stage(args, rank, n, device)
     optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
     shapes = mp.agree_shapes(stage, comm, args.batch_size, args.seq_len, device)
+    counted = mp.CountedComm(comm, timeline)  # its waits sleep between polls, as in a run
     losses = [mp.train_step(stage, optimizer, *mp.make_batch(args.seed, step, args.batch_size, args.seq_len),
-                            shapes, exchange, exchange.timeline) for step in range(args.steps)]
+                            shapes, counted, timeline) for step in range(args.steps)]
     return comm.bcast(losses, root=n - 1), stage
 
 
@@ -65,7 +66,7 @@ def check_against_reference(comm, size):
         diff = max_everywhere(diff, comm)
         assert diff <= mp.TOLERANCE, (size, layers)
         # check() finds the same largest difference, from rank 0's reference alone
-        found = mp.check(args, comm, losses, stage, reference if comm.Get_rank() == 0 else None)
+        found = mp.check(comm, args, losses, stage, reference if comm.Get_rank() == 0 else None)
         assert agree(found == diff, comm), (found, diff)
 
 
@@ -85,7 +86,7 @@ def nudged_checks(comm, size):
     losses, stage = train_split(args, comm)
     reference = mp.reference_training(args) if comm.Get_rank() == 0 else None
     nudge = 1.5 * mp.TOLERANCE
-    found = {"none": mp.check(args, comm, losses, stage, reference)}
+    found = {"none": mp.check(comm, args, losses, stage, reference)}
     counts = comm.allgather(len(list(stage.parameters())))
     for owner, count in enumerate(counts):
         for i in range(count):
@@ -94,12 +95,12 @@ def nudged_checks(comm, size):
                 if param is not None:
                     kept = param.view(-1)[-1].item()
                     param.view(-1)[-1] += nudge
-                found[owner, i] = mp.check(args, comm, losses, stage, reference)
+                found[owner, i] = mp.check(comm, args, losses, stage, reference)
                 if param is not None:
                     param.view(-1)[-1] = kept
     moved = list(losses)
     moved[len(moved) // 2] += nudge
-    found["loss"] = mp.check(args, comm, moved, stage, reference)
+    found["loss"] = mp.check(comm, args, moved, stage, reference)
     return found, sum(counts)
 
 
@@ -134,7 +135,7 @@ def test_launches_agree_across_world_sizes(tmp_path):
     assert runs[3, 4]["layer_split"] == [[0, 2], [2, 3], [3, 4]]
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in trace} == {0, 1, 2, 3}
-    assert {"F", "B", "optimizer", "send", "recv", "wait recv"} <= {e["name"] for e in trace}
+    assert {"F", "B", "optimizer", "Isend", "Irecv", "Irecv wait"} <= {e["name"] for e in trace}
 
 
 @pytest.mark.e2e
@@ -148,6 +149,16 @@ def test_launches_agree_across_world_sizes(tmp_path):
 def test_bad_configuration_exits_2_with_one_line_that_names_what_works(argv, world, says):
     out = launch("model_parallel.py", world, *argv, timeout=60)
     assert_refused(out, says)
+
+
+@pytest.mark.e2e
+def test_a_nudged_parameter_fails_the_check():
+    """The negative control as a user would see it: FAIL_AT=RANK:STEP:nudge moves one parameter of
+    that rank's stage by 10x the tolerance during training; the check must say FAIL and exit 1."""
+    out = launch("model_parallel.py", 3, *TINY, "--layers", 3, "--json",
+                 env=clean_env(FAIL_AT="2:1:nudge", CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 1 and "-> FAIL" in out.stdout, out.stdout + out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["check_max_abs_diff"] > mp.TOLERANCE
 
 
 @pytest.mark.e2e
