@@ -41,9 +41,12 @@ Run:  mpirun -np 4 python model_parallel.py            (add --help for the flags
 import argparse
 import collections
 import contextlib
+import ctypes
+import errno
 import functools
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -53,6 +56,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 
 import torch
 import torch.nn as nn
@@ -66,230 +70,94 @@ STRATEGY = "model_parallel"
 TOLERANCE = 2e-5
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
-POLL_S = 1e-4  # a rank waiting for a peer sleeps between polls and leaves the core to ranks that compute
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 
 
 # -----------------------------------------------------------------------------
-# Arguments
+# The strategy: forward down the ranks, backward back up, one rank at work at a time
 # -----------------------------------------------------------------------------
-class ConfigError(Exception):
-    """An impossible configuration. Every rank finds it the same way and exits 2."""
+TAGS = {"act": 1, "grad": 2, "check": 3}  # tag 0: the shapes, before training
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage on every rank."""
-
-    def error(self, message):
-        raise ConfigError(message)
-
-    def _print_message(self, message, file=None):
-        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
-            super()._print_message(message, file)
-
-
-def parse_args(argv, world_size):
-    p = Parser(description="Model parallelism over MPI: a small GPT on Python's own source.")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="global batch: samples per optimizer step, whatever the world size")
-    p.add_argument("--lr", type=float, default=0.2, help="learning rate (SGD, momentum 0.9)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--log-every", type=int, default=20, help="rank 0 prints progress every N steps")
-    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                   help="compare with single-process training (default: on)")
-    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
-    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
-    p.add_argument("--save-every", type=int, default=0,
-                   help="checkpoint every N steps as well as at the end (0: at the end only)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
-    # The network, the same in every strategy file.
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
-    args = p.parse_args(argv)
-
-    for name in ("steps", "batch_size", "log_every", "layers", "hidden", "heads", "seq_len"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
-                              f"got {getattr(args, name)}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ConfigError(f"--lr must be a positive number, got {args.lr}")
-    if args.save_every < 0:
-        raise ConfigError(f"--save-every must be 0 or more, got {args.save_every}")
-    if args.resume and not args.save:
-        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
-    if args.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
-    if args.hidden % args.heads:
-        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
-                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
-    if args.seq_len > len(load_text()) - 2:
-        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most "
-                          f"{len(load_text()) - 2}")
-    if args.layers < world_size:
-        raise ConfigError(f"--layers {args.layers} cannot fill {world_size} stages, one per rank; "
-                          f"use --layers {world_size} or more, or at most {args.layers} ranks")
-    return args
+def train_step(stage, optimizer, x, y, shapes, comm, timeline):
+    """One optimizer step on the whole batch. Returns the loss on the last rank, elsewhere 0.
+    While one rank computes, every other rank waits for its activations or its gradient."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    optimizer.zero_grad()  # no gradient memory until backward makes it, while the activations peak
+    inp = x
+    if rank > 0:  # idle until the previous rank's activations are in
+        inp = torch.empty(shapes["act"][0], dtype=shapes["act"][1], device=x.device)
+        buffer = mpi_receive_buffer(inp)
+        comm.Irecv(buffer, source=rank - 1, tag=TAGS["act"]).Wait()
+        inp = from_mpi(inp, buffer).requires_grad_()
+    with timeline.span("compute", "F"):
+        out = stage(inp)
+        if rank == n - 1:
+            out = F.cross_entropy(out.flatten(0, 1), y.flatten())
+    grad = None
+    if rank < n - 1:
+        grad = torch.empty(shapes["grad"][0], dtype=shapes["grad"][1], device=x.device)
+        buffer = mpi_receive_buffer(grad)
+        receive = comm.Irecv(buffer, source=rank + 1, tag=TAGS["grad"])  # posted first: ready for the answer
+        comm.Isend(mpi_buffer(out.detach()), dest=rank + 1, tag=TAGS["act"]).Wait()
+        receive.Wait()
+        from_mpi(grad, buffer)
+    with timeline.span("compute", "B"):
+        out.backward(grad)
+    if rank > 0:
+        comm.Isend(mpi_buffer(inp.grad.contiguous()), dest=rank - 1, tag=TAGS["grad"]).Wait()
+    with timeline.span("compute", "optimizer"):
+        optimizer.step()
+    return out.item() if rank == n - 1 else 0.0
 
 
-# -----------------------------------------------------------------------------
-# MPI and device setup
-# -----------------------------------------------------------------------------
-def setup_device(comm, choice):
-    """One device per rank: cuda:(local rank % GPUs), or the CPU with a fair share of cores."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
-    local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+def agree_shapes(stage, comm, batch, seq_len, device):
+    """Before training, each stage learns what it will receive: rank r runs its stage on a probe of
+    its input and tells rank r+1 the shape and dtype of its output (metadata: pickled is fine).
+    Returns (shape, dtype) of the activations this rank receives and of the gradients."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        probe = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     else:
-        device = torch.device("cpu")
-        # Oversubscribed ranks that each start one thread per core thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
-    return device
+        shape, dtype = comm.recv(source=rank - 1, tag=0)
+        probe = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    with torch.no_grad():
+        out = stage(probe)
+    if rank < n - 1:
+        comm.send((tuple(out.shape), str(out.dtype).removeprefix("torch.")), dest=rank + 1, tag=0)
+    return {"act": (probe.shape, probe.dtype), "grad": (out.shape, out.dtype)}
 
 
-def mpi_cuda_aware(comm):
-    """Can MPI read CUDA memory? MPI_CUDA_AWARE=1|0 decides; else ask MPI 4.1; else no."""
-    forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds") or ""
-    except (MPI.Exception, NotImplementedError, AttributeError):
-        kinds = ""
-    return "cuda" in kinds
+# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
+# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+CUDA_AWARE = False
 
 
-def mpi_library():
-    return MPI.Get_library_version().splitlines()[0].strip()
-
-
-def inject_failure(comm, step, during="step"):
-    """Testing aid: FAIL_AT=RANK:STEP:raise|kill[:save] makes one rank raise or SIGKILL itself
-    at the start of a step, or with ':save' while writing the checkpoint of that step."""
-    spec = os.environ.get("FAIL_AT")
-    if not spec:
-        return
-    rank, at, how, *where = spec.split(":")
-    if int(rank) == comm.Get_rank() and int(at) == step and (where or ["step"])[0] == during:
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# -----------------------------------------------------------------------------
-# Communication: a timeline of spans, and the counted MPI primitives
-# -----------------------------------------------------------------------------
-class Timeline:
-    """Spans of compute and comm on one rank. Nested spans count once (self time)."""
-
-    def __init__(self, device):
-        self.device, self.events, self.stack = device, [], []
-        self.totals = collections.Counter()  # self time per category since the last take()
-
-    @contextlib.contextmanager
-    def span(self, cat, name):
-        sync(self.device)
-        start = time.perf_counter()
-        self.stack.append(0.0)
-        try:
-            yield
-        finally:
-            sync(self.device)
-            end = time.perf_counter()
-            children = self.stack.pop()
-            self.totals[cat] += end - start - children
-            if self.stack:
-                self.stack[-1] += end - start
-            self.events.append((name, cat, start, end))
-
-    def take(self):
-        totals, self.totals = dict(self.totals), collections.Counter()
-        return totals
-
-
-class Exchange:
-    """MPI on torch tensors: CUDA memory directly when MPI is CUDA-aware, else staged via host.
-
-    Every call is counted (calls and payload bytes, by kind) and timed as a 'comm' span.
-    """
-
-    def __init__(self, comm, timeline, cuda_aware):
-        self.comm, self.timeline, self.cuda_aware = comm, timeline, cuda_aware
-        self.calls, self.bytes = collections.Counter(), collections.Counter()
-
-    def _count(self, kind, t):
-        self.calls[kind] += 1
-        self.bytes[kind] += t.numel() * t.element_size()
-
-    def _to_mpi(self, t):
-        """The buffer MPI reads and writes: t itself, or a host copy when MPI cannot see CUDA."""
-        assert t.is_contiguous() and not t.requires_grad
-        if t.is_cuda:
-            torch.cuda.current_stream().synchronize()  # kernels writing t must finish first
-            if not self.cuda_aware:
-                return t.cpu()
+def mpi_buffer(t, nonblocking=False):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
+    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+    if not t.is_cuda:
         return t
-
-    def isend(self, t, dest, tag):
-        """Start sending t to rank dest; t must not change until the Transfer is done."""
-        return self._start("send", self.comm.Isend, t, dest, tag)
-
-    def irecv(self, t, source, tag):
-        """Start receiving into t from rank source; the Transfer's wait() returns t, filled."""
-        return self._start("recv", self.comm.Irecv, t, source, tag)
-
-    def _start(self, kind, call, t, peer, tag):
-        self._count(kind, t)
-        with self.timeline.span("comm", kind):
-            buf = self._to_mpi(t)
-            return Transfer(self.timeline, call(buf, peer, tag), t, buf, kind)
-
-    def bcast(self, t, root=0):
-        self._count("bcast", t)
-        with self.timeline.span("comm", "bcast"):
-            buf = self._to_mpi(t)
-            self.comm.Bcast(buf, root=root)
-            if buf is not t:
-                t.copy_(buf)
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
         return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
 
 
-class Transfer:
-    """A point-to-point message in flight. Time spent waiting for the peer is idle, not comm."""
-
-    def __init__(self, timeline, request, t, buf, kind):
-        self.timeline, self.request, self.t, self.buf, self.kind = timeline, request, t, buf, kind
-
-    def done(self):
-        return self.request.Test()  # also moves MPI along: MPICH progresses only inside MPI calls
-
-    def wait(self):
-        with self.timeline.span("idle", "wait " + self.kind):
-            while not self.request.Test():
-                time.sleep(POLL_S)  # spinning in Wait would steal the core of a rank that computes
-            if self.buf is not self.t:
-                self.t.copy_(self.buf)
-        return self.t
+def from_mpi(t, buffer):
+    """Bring what MPI wrote into a host copy back to t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
 
 
-def wait_quietly(comm):
-    """A barrier that sleeps between polls: ranks with nothing to do leave the cores to rank 0."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(POLL_S)
+def mpi_receive_buffer(t):
+    """Where MPI writes what t is to hold: t itself, or an empty pinned host buffer (from_mpi)."""
+    if not t.is_cuda or CUDA_AWARE:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 # -----------------------------------------------------------------------------
@@ -350,9 +218,9 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_model(args, device):
-    """The full model from the seed: the same network at every world size (GPT-2's init).
-    One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
+def build_model(args):
+    """The full model from the seed, on the CPU: the same network at every world size (GPT-2's
+    init). One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
     torch.manual_seed(args.seed)
     model = nn.Sequential(Embedding(args.hidden, args.seq_len),
                           *(Block(args.hidden, args.heads, args.seq_len) for _ in range(args.layers)),
@@ -362,7 +230,7 @@ def build_model(args, device):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
-    return model.to(device)
+    return model
 
 
 def layer_split(layers, n):
@@ -376,6 +244,19 @@ def stage_of(model, rank, n):
     """This rank's slice of the full model: its blocks, with the embeddings first, the head last."""
     lo, hi = layer_split(len(model) - 2, n)[rank]
     return model[0 if rank == 0 else lo + 1:len(model) if rank == n - 1 else hi + 1]
+
+
+def build_stage(args, rank, n, device):
+    """This rank's stage alone on its device. The whole model is built on the CPU, so that the seed
+    gives the same weights at every world size, and the other stages' layers are freed on return:
+    no rank keeps the full model, and no device ever holds more than its stage."""
+    return stage_of(build_model(args), rank, n).to(device)
+
+
+def model_config(args):
+    """The network a checkpoint's shards belong to."""
+    return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+            "seq_len": args.seq_len, "vocab": VOCAB}
 
 
 def describe_split(layers, n):
@@ -406,111 +287,330 @@ def make_batch(seed, step, size, seq_len):
 
 
 # -----------------------------------------------------------------------------
-# The model-parallel training step: forward down the ranks, backward back up
+# The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-TAGS = {"act": 1, "grad": 2}  # tag 0: the shapes, before training
+def train(args, comm, counted, device, stage, optimizer, shapes, timeline, past=()):
+    """The steps after the `past` ones (their losses, from a checkpoint). Returns the losses of
+    the new steps (0 but on the last rank), their timings, the largest resident memory seen, and
+    when the last step began and ended on the timeline's clock.
+    The step talks through `counted`, the communicator that counts; the rest through comm."""
+    losses, records, resident, window = [], [], [], (0.0, 0.0)
+    for step in range(len(past), args.steps):
+        inject_failure(comm, step, model=stage)
+        start = time.perf_counter()
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        losses.append(train_step(stage, optimizer, x, y, shapes, counted, timeline))
+        records.append(timeline.step_record(start))
+        window = (start - timeline.origin_s, start - timeline.origin_s + records[-1]["step_s"])
+        resident.append(resident_bytes())  # the stage, its gradients and momentum, what the step left
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            loss = comm.bcast(losses[-1], root=comm.Get_size() - 1)  # reporting only, not counted
+            print_progress(comm, args, step, loss, records[-1])
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
+                     "losses": list(past) + all_losses(comm, losses)}  # the last rank computed them
+            save_checkpoint(comm, args.save, step + 1, shard, model_config(args))
+    return losses, records, None if None in resident else max(resident, default=None), window
 
 
-def agree_shapes(stage, comm, batch, seq_len, device):
-    """Before training, each stage learns what it will receive: rank r runs its stage on a probe of
-    its input and tells rank r+1 the shape and dtype of its output (metadata: pickled is fine).
-    Returns (shape, dtype) of the activations this rank receives and of the gradients."""
-    rank, n = comm.Get_rank(), comm.Get_size()
-    if rank == 0:
-        probe = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-    else:
-        shape, dtype = comm.recv(source=rank - 1, tag=0)
-        probe = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-    with torch.no_grad():
-        out = stage(probe)
-    if rank < n - 1:
-        comm.send((tuple(out.shape), str(out.dtype).removeprefix("torch.")), dest=rank + 1, tag=0)
-    return {"act": (probe.shape, probe.dtype), "grad": (out.shape, out.dtype)}
+def all_losses(comm, losses):
+    """The last rank computed the losses; every rank gets them."""
+    values = torch.tensor(losses, dtype=torch.float64)
+    comm.Bcast(values, root=comm.Get_size() - 1)
+    return values.tolist()
 
 
-def train_step(stage, optimizer, x, y, shapes, exchange, timeline):
-    """One optimizer step on the whole batch. Returns the loss on the last rank, elsewhere 0.
-    While one rank computes, every other rank waits for its activations or its gradient."""
-    rank, n = exchange.comm.Get_rank(), exchange.comm.Get_size()
-    optimizer.zero_grad(set_to_none=False)
-    inp = x
-    if rank > 0:
-        buf = torch.empty(shapes["act"][0], dtype=shapes["act"][1], device=x.device)
-        inp = exchange.irecv(buf, rank - 1, TAGS["act"]).wait().requires_grad_()  # idle until it is in
-    with timeline.span("compute", "F"):
-        out = stage(inp)
-        if rank == n - 1:
-            out = F.cross_entropy(out.flatten(0, 1), y.flatten())
-    grad = None
-    if rank < n - 1:
-        buf = torch.empty(shapes["grad"][0], dtype=shapes["grad"][1], device=x.device)
-        receive = exchange.irecv(buf, rank + 1, TAGS["grad"])  # posted first: ready for the answer
-        exchange.isend(out.detach(), rank + 1, TAGS["act"]).wait()
-        grad = receive.wait()
-    with timeline.span("compute", "B"):
-        out.backward(grad)
-    if rank > 0:
-        exchange.isend(inp.grad.contiguous(), rank - 1, TAGS["grad"]).wait()
-    with timeline.span("compute", "optimizer"):
+def resident_bytes():
+    """This process's resident memory now, from /proc/self/statm (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv=None, comm=MPI.COMM_WORLD):
+    """Parse, set up, train, check, report. Returns the exit status of this rank."""
+    try:
+        args = parse_args(argv, comm.Get_size())
+        check_paths(comm, args)
+        run = setup(comm, args)
+        counted = CountedComm(comm, run.timeline)
+        rank, n = comm.Get_rank(), comm.Get_size()
+        stage = build_stage(args, rank, n, run.device)  # cut from the whole built on the CPU; the rest freed
+        optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+        past, resumed = [], None
+        if args.resume:
+            resumed, shard = load_checkpoint(comm, args.save, model_config(args), lambda manifest: f"rank-{rank}.pt",
+                                             args.steps, same_world_size=True)
+            stage.load_state_dict(shard["model"])
+            optimizer.load_state_dict(shard["optimizer"])
+            past = shard["losses"]
+        shapes = agree_shapes(stage, comm, args.batch_size, args.seq_len, run.device)
+        print_header(comm, args, run, stage, shapes, resumed)
+        counted.reset()  # count the training steps only
+        losses, records, resident, window = train(args, comm, counted, run.device, stage, optimizer, shapes,
+                                                  run.timeline, past)
+    except ConfigError as e:
+        print0(comm, f"error: {e}", file=sys.stderr)
+        return e.status
+    losses = past + all_losses(comm, losses)
+    diff = check(comm, args, losses, stage) if args.check else None
+    if args.trace:
+        write_trace(comm, run.timeline, args.trace)
+    return report(comm, args, run, stage, optimizer, losses, records, counted, diff, resident, window)
+
+
+# =============================================================================
+# You may stop reading here: the strategy is all above. Below is the machinery that every
+# strategy file repeats in the same order and the same words: the check against single-process
+# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# =============================================================================
+
+# --- Check against single-process training -----------------------------------
+def reference_training(args):
+    """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
+    model = build_model(args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    losses = []
+    for step in range(args.steps):
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
         optimizer.step()
-    return out.item() if rank == n - 1 else 0.0
+        losses.append(loss.item())
+    return losses, model
 
+def check(comm, args, losses, stage, reference=None):
+    """Rank 0 trains the reference on the CPU (or takes `reference`, its losses and model) and
+    compares every stage, which each rank sends it in turn: no other rank holds more than its
+    stage. Every rank gets the largest difference."""
+    diff = None
+    if comm.Get_rank() == 0:
+        ref_losses, ref_model = reference or reference_training(args)
+        diff = max_difference(losses, stage.state_dict(), ref_losses, ref_model)
+        for r in range(1, comm.Get_size()):
+            state = {name: torch.empty_like(t) for name, t in stage_of(ref_model, r, comm.Get_size()).state_dict().items()}
+            for t in state.values():
+                comm.Recv(t, source=r, tag=TAGS["check"])
+            diff = max(diff, max_difference(losses, state, ref_losses, ref_model))
+    else:
+        for t in stage.state_dict().values():
+            buffer = t.detach().cpu().contiguous()
+            request = comm.Isend(buffer, dest=0, tag=TAGS["check"])
+            while not request.Test():  # rank 0 trains the reference meanwhile: leave it the core
+                time.sleep(POLL_S)
+    return comm.bcast(diff, root=0)
 
-# -----------------------------------------------------------------------------
-# Checkpoints: a folder appears whole or not at all
-# -----------------------------------------------------------------------------
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's."""
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    ref_state = ref_model.state_dict()
+    for name, t in state.items():
+        diff = max(diff, (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item())
+    return diff
+
+# --- Report: header, progress, summary, --json, --trace ----------------------
+def print_header(comm, args, run, stage, shapes, resumed):
+    n, stage_params = comm.Get_size(), comm.allgather(sum(p.numel() for p in stage.parameters()))
+    params = sum(stage_params)
+    if resumed:
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
+                     f"(written by {resumed['world_size']} ranks)")
+    print0(comm, *run.header,
+           f"model: GPT, {args.layers} blocks x {args.hidden} hidden x {args.heads} heads, {params:,} "
+           f"parameters ({4 * params / 1e6:.2f} MB) | text: {' + '.join(s + '.py' for s in SOURCES)}, "
+           f"{len(load_text()):,} characters",
+           f"stages: {describe_split(args.layers, n)} | parameters per rank: "
+           f"{' '.join(f'{k:,}' for k in stage_params)}",
+           f"global batch {args.batch_size} sequences of {args.seq_len} characters, all through every "
+           f"rank in turn | between stages: {list(shapes['grad'][0]) if n > 1 else 'nothing'} float32")
+
+def report(comm, args, run, stage, optimizer, losses, records, counted, diff, resident, window):
+    """The timelines, the summary, the check's verdict and --json; returns the exit status."""
+    n, steps_run = comm.Get_size(), max(1, len(records))
+    messages, sent = (comm.allreduce(count["Isend"] / steps_run) for count in (counted.calls, counted.bytes))
+    ideal = [[("F", r, r + 1), ("B", 2 * n - 1 - r, 2 * n - r)] for r in range(n)]  # one slot each
+    measured = measured_timeline(comm, run.timeline, window, 2, 4 * n)
+    later = records[1:] or records
+    busy = comm.allgather(statistics.median(r["compute_s"] / r["step_s"] for r in later))
+    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in later))
+    # What each rank holds: its parameters, and SGD's momentum buffer for each of them.
+    param_bytes = comm.allgather(sum(p.numel() * p.element_size() for p in stage.parameters()))
+    state_bytes = comm.allgather(sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                                     for t in s.values() if torch.is_tensor(t)))
+    one_process = 2 * sum(param_bytes)
+    slowest = step_summary(comm, records)
+    formula = 2 * (n - 1) * args.batch_size * args.seq_len * args.hidden * 4
+    idle, m = statistics.mean(waits), 8  # m: pipeline_parallel.py's default micro-batches
+    print0(comm, f"ideal timeline (one slot per forward F or backward B of a rank's layers, '.': idle) | "
+                 f"busy 1/N = {100 / n:.0f}% of the step on every rank:",
+           *draw_timeline(ideal, 2 * n, 2 * n, 3),
+           "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
+           *measured,
+           f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})", summary_line(slowest),
+           f"share of the step per rank: busy {' '.join(f'{100 * b:.0f}%' for b in busy)} | waiting for a "
+           f"peer {' '.join(f'{100 * w:.0f}%' for w in waits)} | ideal: busy 1/N = {100 / n:.0f}%, idle "
+           f"(N-1)/N = {100 * (n - 1) / n:.0f}%",
+           "held per rank (parameters + optimizer state): " + " | ".join(
+               f"{(a + b) / 1e6:.2f} MB ({100 * (a + b) / one_process:.0f}%)" for a, b in
+               zip(param_bytes, state_bytes)) + f" of the {one_process / 1e6:.2f} MB one process holds",
+           f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
+           f"2(N-1) x B x T x H x 4 = {formula:,} | no collective in the step",
+           f"pipeline_parallel.py cuts the batch into M micro-batches so that the ranks work at once: "
+           f"with N = {n} and M = {m}, idle (N-1)/(M+N-1) = {100 * (n - 1) / (m + n - 1):.0f}% of the step "
+           f"instead of (N-1)/N = {100 * (n - 1) / n:.0f}% here (measured: {100 * idle:.0f}% waiting); "
+           f"mpirun -np {n} python pipeline_parallel.py measures it" if n > 1 else
+           "one rank holds the whole model and never waits: there is no idle time for a pipeline to remove")
+    ok = verdict(comm, diff, "losses, parameters")
+    if args.json:
+        print0(comm, json.dumps({
+            **house_keys(comm, args, run, losses, slowest, diff),
+            "comm_bytes_per_step": sent, "collectives_per_step": 0, "messages_per_step": messages,
+            "layer_split": layer_split(args.layers, n), "stage_params": [b // 4 for b in param_bytes],
+            "busy_fraction": busy, "idle_fraction": waits, "busy_fraction_ideal": 1 / n,
+            "param_bytes": param_bytes, "optimizer_state_bytes": state_bytes,
+            "single_process_bytes": one_process, "resident_bytes": comm.allgather(resident)}))
+    return 0 if ok else 1
+
+def draw_timeline(rows, length, columns, width):
+    """One line per rank, [0, length) cut into equal cells: a cell shows the span over its middle,
+    else '.' (idle or communicating); a span too short to cover a middle shows in its cell if free."""
+    lines, cell = [], length / columns
+    for r, spans in enumerate(rows):
+        cells, short = ["."] * columns, []
+        for name, s, e in spans:
+            covered = range(math.ceil(s / cell - 0.5), min(columns, math.ceil(e / cell - 0.5)))
+            for c in covered:
+                cells[c] = name
+            if not covered:
+                short.append((name, min(columns - 1, int((s + e) / 2 / cell))))
+        for name, c in short:
+            cells[c] = name if cells[c] == "." else cells[c]
+        lines.append(f"rank {r} | " + "".join(c.ljust(width) for c in cells).rstrip())
+    return lines
+
+def measured_timeline(comm, timeline, window, width, most):
+    """The last step as every rank lived it (on the timeline's clock, zero at the barrier of
+    setup), from rank 0's start, which runs the first forward, to the end of the last rank to
+    finish. A cell lasts a typical forward, the fastest rank's median, so a backward shows twice."""
+    ends = comm.allgather(window)
+    first, last = ends[0][0], max(e for _, e in ends)
+    rows = comm.gather([("o" if name == "optimizer" else name, max(0.0, s - first), e - first)
+                        for name, cat, s, e in timeline.events if cat == "compute" and s >= window[0]], root=0)
+    if comm.Get_rank() != 0:
+        return []
+    forward = min(statistics.median([e - s for name, s, e in row if name[0] == "F"] or [last - first])
+                  for row in rows)
+    columns = max(1, min(most, round((last - first) / forward)))
+    return draw_timeline(rows, last - first, columns, width) + \
+        [f"         one cell {(last - first) / columns * 1e3:.2f} ms, the step {(last - first) * 1e3:.1f} ms"]
+
+def print_progress(comm, args, step, loss, record):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
+                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+
+def summary_line(slowest):
+    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
+
+def verdict(comm, diff, compared):
+    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+    ok = diff is None or diff <= TOLERANCE
+    if diff is not None:
+        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
+                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+def house_keys(comm, args, run, losses, slowest, diff):
+    """The JSON keys every strategy file reports."""
+    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
+            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
+
+def step_summary(comm, records):
+    """Medians over steps after the first, of the slowest rank (by median step time)."""
+    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
+               for rank_records in comm.allgather(records)]
+    return max(medians, key=lambda m: m["step_s"])
+
+def write_trace(comm, timeline, path):
+    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
+    events = comm.gather(timeline.events, root=0)
+    if comm.Get_rank() == 0:
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
+        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
+                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
+        with open(path, "w") as out:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
+
+def print0(comm, *lines, file=sys.stdout):
+    if comm.Get_rank() == 0:  # rank 0 alone prints
+        print(*lines, sep="\n", file=file, flush=True)
+
+# --- Checkpoints: a folder appears whole or not at all ------------------------
 def checkpoints(root):
     """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
     names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
                    if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
     return [os.path.join(root, n) for n in names]
 
-
 def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
+    with open(path, "rb") as stream:
+        return hashlib.sha256(stream.read()).hexdigest()
 
 def write_durably(path, data):
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
+    with open(path, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
     """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
     manifest and renames the folder to step-N: a job killed before the rename leaves the
-    previous checkpoint as it was. The folder must be on a file system every rank sees."""
-    final = os.path.join(root, f"step-{step:06d}")
-    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
+    every rank with one line, the previous checkpoint whole."""
+    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    files, error = {}, None
     if comm.Get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
     comm.Barrier()
-    files = {}
-    if shard is not None:
-        name = f"rank-{comm.Get_rank()}.pt"
-        with open(os.path.join(tmp, name), "wb") as f:
-            torch.save(shard, f)
-            f.flush()
-            os.fsync(f.fileno())
-        files[name] = sha256(os.path.join(tmp, name))
-    inject_failure(comm, step, "save")
-    every = comm.gather(files, root=0)
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        inject_failure(comm, step, "save")
+        if shard is not None:
+            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
+            torch.save(shard, stream)
+            write_durably(os.path.join(tmp, name), stream.getvalue())
+            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+    except OSError as e:
+        error = f"rank {comm.Get_rank()}: {e}"
+    gathered = comm.gather((files, error), root=0)
     if comm.Get_rank() == 0:
-        manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
-                    "step": step, "files": {k: v for d in every for k, v in d.items()}}
-        write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # atomic: the checkpoint is now complete
-        fd = os.open(root, os.O_RDONLY)
-        os.fsync(fd)  # make the rename itself durable
-        os.close(fd)
-        for old in checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
-    comm.Barrier()
-
+        error = next((e for _, e in gathered if e), None)
+        try:
+            if error is None:
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # atomic: the checkpoint is now complete
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)  # make the rename itself durable
+                os.close(fd)
+                for old in checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (checkpoints(root) or ["none"])[-1]
+        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
+                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
     """The latest complete checkpoint's manifest and the shard this rank needs, verified.
@@ -522,8 +622,8 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
             raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
                               f"start without --resume to create one")
         path = found[-1]
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
+        with open(os.path.join(path, "manifest.json")) as stream:
+            manifest = json.load(stream)
         if manifest["strategy"] != STRATEGY:
             raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
         if manifest["step"] >= steps:
@@ -547,255 +647,290 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         raise ConfigError(errors[0])
     return manifest, shard
 
+# --- Counters and timeline: measured around the strategy's own MPI calls -----
+class Timeline:
+    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
+    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
+    (step_record), so that timing never stalls the device in the middle of a step."""
 
-# -----------------------------------------------------------------------------
-# Check against single-process training
-# -----------------------------------------------------------------------------
-def reference_training(args, device):
-    """The same steps in one plain process: the unsplit model on the whole batch at once."""
-    model = build_model(args, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    losses = []
-    for step in range(args.steps):
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
+        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
 
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-def check(args, exchange, device, losses, model, stage):
-    """Largest |difference| in losses and in final parameters. Rank 0 trains the reference and
-    broadcasts its parameters; each rank compares those of its own stage."""
-    comm, diff = exchange.comm, 0.0
-    where, at = {}, 0  # parameter -> its place in the flat vector of all parameters
-    for p in model.parameters():
-        where[p], at = (at, at + p.numel()), at + p.numel()
-    flat = torch.empty(at, device=device)
-    if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args, device)
-        diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        flat = torch.cat([p.detach().reshape(-1) for p in ref_model.parameters()])
-    wait_quietly(comm)
-    exchange.bcast(flat, root=0)
-    for p in stage.parameters():
-        lo, hi = where[p]
-        diff = max(diff, (p.detach().reshape(-1).double() - flat[lo:hi].double()).abs().max().item())
-    return comm.allreduce(diff, op=MPI.MAX)
+    def _seconds(self, mark):
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
 
-
-# -----------------------------------------------------------------------------
-# Report
-# -----------------------------------------------------------------------------
-def step_summary(comm, records):
-    """Medians over steps after the first, of the slowest rank (by median step time)."""
-    per_rank = comm.allgather(records)
-    medians = []
-    for recs in per_rank:
-        recs = recs[1:] or recs
-        medians.append({k: statistics.median(r.get(k, 0.0) for r in recs)
-                        for k in ("step_s", "compute_s", "comm_s", "idle_s")})
-    return max(medians, key=lambda m: m["step_s"]), medians
-
-
-def draw_timeline(rows, length, columns, width):
-    """One line per rank, [0, length) cut into equal cells: a cell shows the span over its middle,
-    else '.' (idle or communicating); a span too short to cover a middle shows in its cell if free."""
-    lines, cell = [], length / columns
-    for r, spans in enumerate(rows):
-        cells, short = ["."] * columns, []
-        for name, s, e in spans:
-            covered = range(math.ceil(s / cell - 0.5), min(columns, math.ceil(e / cell - 0.5)))
-            for c in covered:
-                cells[c] = name
-            if not covered:
-                short.append((name, min(columns - 1, int((s + e) / 2 / cell))))
-        for name, c in short:
-            cells[c] = name if cells[c] == "." else cells[c]
-        lines.append(f"rank {r} | " + "".join(c.ljust(width) for c in cells).rstrip())
-    return lines
-
-
-def measured_timeline(comm, timeline, window, t0, width, most):
-    """The last step as every rank lived it (on its clock since the barrier before training), from
-    rank 0's start, which runs the first forward, to the end of the last rank to finish. A cell
-    lasts a typical forward, the fastest rank's median, so that a backward shows about twice."""
-    ends = comm.allgather((window[0] - t0, window[1] - t0))
-    first, last = ends[0][0], max(e for _, e in ends)
-    rows = comm.gather([("o" if name == "optimizer" else name, max(0.0, s - t0 - first), e - t0 - first)
-                        for name, cat, s, e in timeline.events
-                        if cat == "compute" and s >= window[0]], root=0)
-    if comm.Get_rank() != 0:
-        return []
-    forward = min(statistics.median([e - s for name, s, e in row if name[0] == "F"] or [last - first])
-                  for row in rows)
-    columns = max(1, min(most, round((last - first) / forward)))
-    return draw_timeline(rows, last - first, columns, width) + \
-        [f"         one cell {(last - first) / columns * 1e3:.2f} ms, the step {(last - first) * 1e3:.1f} ms"]
-
-
-def write_trace(comm, timeline, path, t0):
-    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
-    events = comm.gather([(n, c, s - t0, e - t0) for n, c, s, e in timeline.events], root=0)
-    if comm.Get_rank() != 0:
-        return
-    trace = []
-    for rank, evs in enumerate(events):
-        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
-        trace += [{"name": n, "cat": c, "ph": "X", "pid": rank, "tid": 0,
-                   "ts": s * 1e6, "dur": (e - s) * 1e6} for n, c, s, e in evs]
-    with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-
-
-def say(comm, *lines):
-    if comm.Get_rank() == 0:
-        print(*lines, sep="\n", flush=True)
-
-
-# -----------------------------------------------------------------------------
-# main
-# -----------------------------------------------------------------------------
-def main(argv=None, comm=MPI.COMM_WORLD):
-    rank, world_size = comm.Get_rank(), comm.Get_size()
-    try:
-        args = parse_args(argv, world_size)
-    except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    device = setup_device(comm, args.device)
-    cuda_aware = device.type == "cuda" and mpi_cuda_aware(comm)
-    timeline = Timeline(device)
-    exchange = Exchange(comm, timeline, cuda_aware)
-
-    # The ideal step, one slot per forward or backward: forward down the ranks, backward back up.
-    n = world_size
-    ideal = [[("F", r, r + 1), ("B", 2 * n - 1 - r, 2 * n - r)] for r in range(n)]
-
-    model = build_model(args, device)  # whole on every rank, from the seed; each keeps its stage
-    stage = stage_of(model, rank, n)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-    config = {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-              "seq_len": args.seq_len, "vocab": VOCAB}  # the network the shards belong to
-    done = []
-    if args.resume:
+    @contextlib.contextmanager
+    def span(self, cat, name):
+        start, children = self._mark(), []
+        self.open.append(children)
         try:
-            manifest, shard = load_checkpoint(comm, args.save, config, lambda m: f"rank-{rank}.pt",
-                                              args.steps, same_world_size=True)
-        except ConfigError as e:
-            if rank == 0:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            return 2
-        stage.load_state_dict(shard["model"])
-        optimizer.load_state_dict(shard["optimizer"])
-        done = shard["losses"]
-        say(comm, f"resumed from {args.save} at step {manifest['step']} "
-                  f"(written by {manifest['world_size']} ranks)")
-    shapes = agree_shapes(stage, comm, args.batch_size, args.seq_len, device)
-    params = sum(p.numel() for p in model.parameters())
-    stage_params = comm.allgather(sum(p.numel() for p in stage.parameters()))
-    transport = "n/a (CPU)" if device.type == "cpu" else (
-        "direct (CUDA-aware MPI)" if cuda_aware else "staged through host memory")
-    say(comm, f"{STRATEGY} | {world_size} ranks | device {device.type} | {mpi_library()}",
-        f"CUDA buffers: {transport} | model: GPT, {args.layers} blocks x {args.hidden} hidden x "
-        f"{args.heads} heads, {params:,} parameters ({4 * params / 1e6:.2f} MB) | text: "
-        f"{' + '.join(s + '.py' for s in SOURCES)}, {len(load_text()):,} characters",
-        f"stages: {describe_split(args.layers, n)} | parameters per rank: "
-        f"{' '.join(f'{k:,}' for k in stage_params)}",
-        f"global batch {args.batch_size} sequences of {args.seq_len} characters, all through every "
-        f"rank in turn | between stages: {list(shapes['grad'][0]) if n > 1 else 'nothing'} float32")
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    if device.type == "cpu" and node.Get_size() > (os.cpu_count() or 1):
-        say(comm, f"note: {node.Get_size()} ranks share {os.cpu_count()} CPU cores; one computes "
-                  f"at a time here, so it has a core, and the others wait without spinning")
+            yield
+        finally:
+            self.open.pop()
+            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
+
+    def step_record(self, start):
+        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
+        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once a step: every event of the step has happened
+        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+
+        def own_time(name, cat, start_mark, end_mark, children):
+            begin, end = self._seconds(start_mark), self._seconds(end_mark)
+            self.events.append((name, cat, begin, end))
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            return end - begin
+
+        for span in self.closed:
+            own_time(*span)
+        self.closed = []
+        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
+        return record
+
+class CountedComm:
+    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
+    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
+    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
+    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+
+    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
+               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
+
+    def __init__(self, comm, timeline):
+        self.comm, self.timeline = comm, timeline
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def reset(self):
+        self.calls.clear(), self.bytes.clear()
+
+    def __getattr__(self, name):
+        call = getattr(self.comm, name)
+        if name not in self.COUNTED:
+            return call
+
+        def counted(*args, **kwargs):
+            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
+            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+            self.calls[name] += 1
+            self.bytes[name] += buffer.numel() * buffer.element_size()
+            with self.timeline.span("comm", name):
+                result = call(*args, **kwargs)
+            if not isinstance(result, MPI.Request):
+                return result
+            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
+        return counted
+
+class CountedRequest:
+    def __init__(self, request, timeline, cat, name):
+        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
+
+    def Test(self):
+        return self.request.Test()
+
+    def Wait(self):
+        with self.timeline.span(self.cat, self.name + " wait"):
+            while not self.request.Test():
+                time.sleep(POLL_S)
+
+# --- Device and MPI setup -----------------------------------------------------
+def setup(comm, args):
+    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    global CUDA_AWARE
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
+    local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
+    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    if args.device == "cuda" or (args.device == "auto" and gpus):
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+        check_thread_level(MPI.Query_thread())
+        CUDA_AWARE = mpi_cuda_aware(comm)
+        if args.check:  # float32 against float32: no TF32 in the run or in the reference
+            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
+    else:
+        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
+        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
+        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+    comm.Barrier()  # the timeline's zero, about the same moment on every rank
+    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
 
+def mpi_cuda_aware(comm):
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
+    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        kinds = None
+    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    forced = os.environ.get("MPI_CUDA_AWARE")
+    if forced == "1" and says is False:
+        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
+                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
+                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
+    return forced == "1" if forced in ("0", "1") else bool(says)
+
+def cuda_in_kinds(kinds):
+    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
+    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
+    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
+
+def mpix_query_cuda_support():
+    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
+    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
+    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    return None
+
+def check_thread_level(provided):
+    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
+    if provided < MPI.THREAD_SERIALIZED:
+        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
+                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
+                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
+
+def mpi_library():
+    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
+    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
+    return text.strip().splitlines()[0].strip()
+
+def inject_failure(comm, step, during="step", model=None):
+    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
+    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
+    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
+    spec = os.environ.get("FAIL_AT", "")
+    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
+    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
+        return
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "oserror":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
+    if how != "nudge":
+        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
+
+# --- Arguments, and the paths a run will write, checked before anything is built
+class ConfigError(Exception):
+    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
+    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
+
+    def __init__(self, message, status=2):
+        super().__init__(message)
+        self.status = status
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage on every rank."""
+
+    def error(self, message):
+        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
+                          else message)
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+def checked(kind, ok, must):
+    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
+        return value
+    return parse
+
+COUNT = checked(int, lambda v: v > 0, "a positive integer")
+COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
+AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+
+def common_arguments(description, steps, batch_size, lr, log_every):
+    p = Parser(description=description)
+    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
+    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with single-process training (default: on)")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
+    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    return p
+
+def check_common(args):
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return args
+
+def parse_args(argv, world_size):
+    p = common_arguments("Model parallelism over MPI: a small GPT on Python's own source.",
+                         steps=60, batch_size=16, lr=0.2, log_every=20)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    args = check_common(p.parse_args(argv))
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
+                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
+    if args.seq_len > len(load_text()) - 2:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most "
+                          f"{len(load_text()) - 2}")
+    if args.layers < world_size:
+        raise ConfigError(f"--layers {args.layers} cannot fill {world_size} stages, one per rank; "
+                          f"use --layers {world_size} or more, or at most {args.layers} ranks")
+    return args
+
+def check_paths(comm, args):
+    """Before anything is built, each rank tries what it will write: --save, a folder (made if
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    rank, error = comm.Get_rank(), None
+    try:
+        if args.save:
+            if os.path.exists(args.save) and not os.path.isdir(args.save):
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", args.save)
+            os.makedirs(args.save, exist_ok=True)
+            write_durably(os.path.join(args.save, f".probe-{rank}"), b"")
+        if args.trace and rank == 0:
+            open(args.trace, "a").close()
+    except OSError as e:
+        error = f"cannot write {e.filename}: {e.strerror}"
     comm.Barrier()
-    t0 = time.perf_counter()
-    losses, records, window = list(done), [], None
-    for step in range(len(done), args.steps):
-        inject_failure(comm, step)
-        start = time.perf_counter()
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        losses.append(train_step(stage, optimizer, x, y, shapes, exchange, timeline))
-        sync(device)
-        window = (start, time.perf_counter())
-        record = {"step_s": window[1] - start, **{f"{k}_s": v for k, v in timeline.take().items()}}
-        record["wait_s"] = record.pop("idle_s", 0.0)  # blocked on a peer
-        record["idle_s"] = max(0.0, record["step_s"] - record.get("compute_s", 0) - record.get("comm_s", 0))
-        records.append(record)
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            loss = comm.bcast(losses[-1], root=n - 1)  # reporting only, not counted
-            say(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | "
-                      f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
-                      f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-                     "losses": comm.bcast(losses, root=n - 1)}  # the last rank computed them
-            save_checkpoint(comm, args.save, step + 1, shard, config)
-    ran = max(1, args.steps - len(done))  # per-step counts: the training exchanges only
-    messages, sent = (comm.allreduce(count["send"] / ran) for count in (exchange.calls, exchange.bytes))
-
-    # The last rank computed the losses; every rank gets them.
-    losses = exchange.bcast(torch.tensor(losses, dtype=torch.float64), root=n - 1).tolist()
-    measured = measured_timeline(comm, timeline, window, t0, 2, 4 * n)
-    later = records[1:] or records
-    busy = comm.allgather(statistics.median(r.get("compute_s", 0) / r["step_s"] for r in later))
-    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in later))
-    # What each rank holds: its parameters, and SGD's momentum buffer for each of them.
-    param_bytes = comm.allgather(sum(p.numel() * p.element_size() for p in stage.parameters()))
-    state_bytes = comm.allgather(sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                                     for t in s.values() if torch.is_tensor(t)))
-    one_process = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    diff = check(args, exchange, device, losses, model, stage) if args.check else None
-    if args.trace:
-        write_trace(comm, timeline, args.trace, t0)
-
-    slowest, _ = step_summary(comm, records)
-    formula = 2 * (n - 1) * args.batch_size * args.seq_len * args.hidden * 4
-    idle, m = statistics.mean(waits), 8  # m: pipeline_parallel.py's default micro-batches
-    say(comm, f"ideal timeline (one slot per forward F or backward B of a rank's layers, '.': idle) | "
-              f"busy 1/N = {100 / n:.0f}% of the step on every rank:",
-        *draw_timeline(ideal, 2 * n, 2 * n, 3),
-        "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
-        *measured,
-        f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})",
-        f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
-        f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
-        f"share of the step per rank: busy {' '.join(f'{100 * b:.0f}%' for b in busy)} | waiting for a "
-        f"peer {' '.join(f'{100 * w:.0f}%' for w in waits)} | ideal: busy 1/N = {100 / n:.0f}%, idle "
-        f"(N-1)/N = {100 * (n - 1) / n:.0f}%",
-        "held per rank (parameters + optimizer state): " + " | ".join(
-            f"{(a + b) / 1e6:.2f} MB ({100 * (a + b) / one_process:.0f}%)" for a, b in
-            zip(param_bytes, state_bytes)) + f" of the {one_process / 1e6:.2f} MB one process holds",
-        f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
-        f"2(N-1) x B x T x H x 4 = {formula:,} | no collective in the step",
-        f"pipeline_parallel.py cuts the batch into M micro-batches so that the ranks work at once: "
-        f"with N = {n} and M = {m}, idle (N-1)/(M+N-1) = {100 * (n - 1) / (m + n - 1):.0f}% of the step "
-        f"instead of (N-1)/N = {100 * (n - 1) / n:.0f}% here (measured: {100 * idle:.0f}% waiting); "
-        f"mpirun -np {n} python pipeline_parallel.py measures it" if n > 1 else
-        "one rank holds the whole model and never waits: there is no idle time for a pipeline to remove")
-    ok = diff is None or diff <= TOLERANCE
-    if diff is not None:
-        say(comm, f"check against single-process training: max |diff| {diff:.2e} "
-                  f"(losses, parameters; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
-    if args.json:
-        say(comm, json.dumps({
-            "strategy": STRATEGY, "world_size": world_size, "device": device.type,
-            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
-            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
-            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"],
-            "comm_bytes_per_step": sent, "collectives_per_step": 0,
-            "check_max_abs_diff": diff, "messages_per_step": messages,
-            "layer_split": layer_split(args.layers, n), "stage_params": stage_params,
-            "busy_fraction": busy, "idle_fraction": waits, "busy_fraction_ideal": 1 / n,
-            "param_bytes": param_bytes, "optimizer_state_bytes": state_bytes,
-            "single_process_bytes": one_process}))
-    return 0 if ok else 1
-
+    if args.save and error is None:  # a folder on a node-local disk hides the other nodes' probes
+        unseen = [r for r in range(comm.Get_size()) if not os.path.exists(os.path.join(args.save, f".probe-{r}"))]
+        error = unseen and (f"--save {args.save}: rank {rank} does not see the files of rank(s) "
+                            f"{', '.join(map(str, unseen))}; checkpoints need a folder every rank shares")
+    errors = [e for e in comm.allgather(error) if e]
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(os.path.join(args.save, f".probe-{rank}"))
+    if errors:
+        raise ConfigError(errors[0])
 
 def abort_on_exception(kind, value, tb):
     """An exception on one rank must end the whole job, not leave the others in a collective."""
@@ -803,7 +938,6 @@ def abort_on_exception(kind, value, tb):
     text = "".join(traceback.format_exception(kind, value, tb))
     print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
     MPI.COMM_WORLD.Abort(1)
-
 
 if __name__ == "__main__":
     sys.excepthook = abort_on_exception
