@@ -490,6 +490,9 @@ def check(comm, args, device, losses, model, world_sizes):
     diff = None
     if comm.Get_rank() == 0:
         diff = max_difference(losses, model.state_dict(), *reference_training(args, world_sizes, device))
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_S)  # the other ranks leave the cores to rank 0, which trains the reference
     return comm.bcast(diff, root=0)
 
 def max_difference(losses, state, ref_losses, ref_model):

@@ -537,6 +537,9 @@ def check(comm, args, losses, zero, model):
     state, diff = whole_parameters(zero, model, comm), None
     if comm.Get_rank() == 0:
         diff = max_difference(losses, state, *reference_training(args))
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_S)  # the other ranks leave the cores to rank 0, which trains the reference
     return comm.bcast(diff, root=0)
 
 def max_difference(losses, state, ref_losses, ref_model):
