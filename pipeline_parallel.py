@@ -1,9 +1,9 @@
 """Pipeline parallelism over MPI: the layer stack is cut into stages, the batch into micro-batches.
 
-What is split: the model's layers. Rank r holds one contiguous stage of the stack, with its
-parameters and their optimizer state. The global batch of B sequences (--batch-size, the same at
-every world size) is cut into M micro-batches (--micro-batches) that flow through the stages one
-after another, so that several ranks compute at once, each on a different micro-batch.
+What is split: the model's layers. Rank r holds one contiguous stage of the stack (or V chunks
+of it, below), with its parameters and their optimizer state. The global batch of B sequences
+(--batch-size, the same at every world size) is cut into M micro-batches (--micro-batches) that
+flow through the stages one after another, so that several ranks compute at once.
 
    tokens  +------------+ act  +---------+ act  +---------+ act  +--------------+  loss
    ------> | rank 0     | ---> | rank 1  | ---> | rank 2  | ---> | rank 3       | ----->
@@ -13,29 +13,49 @@ after another, so that several ranks compute at once, each on a different micro-
    each rank also keeps the saved activations of the micro-batches between their forward
    and their backward
 
-The two schedules as the dry run draws them for N = 4 ranks and M = 4 micro-batches, one slot per
-forward (F) or backward (B) of micro-batch i, '.' idle:
+The schedules as the dry run draws them for N = 3 ranks and M = 3 micro-batches (F: forward of
+micro-batch i, one slot; B: its backward, two slots, or when split, one slot for B, the gradient of
+the stage's input that the previous stage waits for, and one for W, the weights' gradients that
+nobody waits for; '.' idle):
 
-   --schedule gpipe (Huang et al. 2019):               --schedule 1f1b (PipeDream-Flush, Narayanan et al.
-   all forwards, then all backwards                    2021): N-1-r warm-up forwards, then alternate one
-                                                       forward and one backward, then the last backwards
-   rank 0 | F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0   rank 0 | F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3
-   rank 1 | .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .    rank 1 | .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 .
-   rank 2 | .  .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .  .    rank 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .  .
-   rank 3 | .  .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .    rank 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  .
+   --schedule gpipe (Huang et al. 2019): all forwards, then all backwards
+   rank 0 | F0 F1 F2 .  .  .  .  .  .  B2 B2 B1 B1 B0 B0
+   rank 1 | .  F0 F1 F2 .  .  .  B2 B2 B1 B1 B0 B0 .  .
+   rank 2 | .  .  F0 F1 F2 B2 B2 B1 B1 B0 B0 .  .  .  .
+   --schedule 1f1b (PipeDream-Flush, Narayanan et al. 2021): N-1-r warm-up forwards, then one
+   forward one backward, then the last backwards: the same bubble, fewer micro-batches held
+   rank 0 | F0 F1 F2 .  .  .  .  B0 B0 .  B1 B1 .  B2 B2
+   rank 1 | .  F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2 .  .
+   rank 2 | .  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  .  .  .
+   --schedule zb-h1 (zero bubble, Qi et al. 2023): 1F1B with B and W apart; rank r keeps its
+   first r W for the end, where 1F1B idles
+   rank 0 | F0 F1 F2 .  .  B0 W0 B1 W1 B2 W2
+   rank 1 | .  F0 F1 .  B0 F2 B1 W0 B2 W1 W2
+   rank 2 | .  .  F0 B0 F1 B1 F2 B2 W0 W1 W2
+   --schedule zbv: two chunks per rank (a, b) in a V: down the ranks, back up, the loss on rank 0
+   rank 0 | F0a F1a F2a .   .   F0b B0b F1b B1b F2b B2b B0a W0a B1a W0b B2a W1a W1b W2a W2b
+   rank 1 | .   F0a F1a F2a F0b .   F1b B0b F2b B1b B0a B2b B1a W0a B2a W0b W1a W1b W2a W2b
+   rank 2 | .   .   F0a F0b F1a F1b F2a F2b B0b B0a B1b B1a B2b B2a W0a W0b W1a W1b W2a W2b
+   --schedule interleaved --virtual-stages V (Megatron, Narayanan et al. 2021): rank r holds the
+   chunks r, r+N, ... and runs the micro-batches in groups of N through each (M a multiple of N)
 
-Both leave each rank idle (N-1)/(M+N-1) of the step when the stages cost the same: the bubble,
-smaller with more micro-batches. GPipe holds the activations of all M micro-batches at once on
-every rank; 1F1B at most min(M, N - r) on rank r: the same bubble for less memory. Each
-micro-batch's loss is divided by M, so that the summed gradients are those of the whole batch.
-Each schedule is a list of actions per rank (forward i, backward i, send, receive); before
-anything is sent, a dry run executes all the lists on paper and proves that every send meets its
-receive, every input exists before it is used and the order cannot deadlock.
+With equal costs the idle share of the step, the bubble, is (N-1)/(M+N-1) for GPipe and 1F1B,
+(N-1)/(VM+N-1) interleaved (for V times the messages), 1 - 3M/(2M+N-1+max(M,N)) for ZB-H1 (at
+M >= N a third of 1F1B's idle time) and (N-1)/(6M+N-1) for ZB-V at M >= N: its chunks are half a
+stage, and the last rank cannot start before N-1 of them have run, so that is the least possible.
+Memory, in micro-batches held between forward and backward (or W): GPipe M on every rank, 1F1B
+min(M, N - r) on rank r, ZB-H1 min(M, N) on every rank and ZB-V min(2M, 2N) half-stage chunks:
+none more than 1F1B's peak, on rank 0. Interleaved holds up to (N-1)/V stages' worth more.
+Each micro-batch's loss is divided by M, so that the summed gradients are those of the whole
+batch. Each schedule is a list of actions per rank (forward, backward or B and W, send, receive
+of a micro-batch at a stage); before anything is sent, a dry run executes all the lists on paper
+and proves that every send meets its receive, every input exists before it is used and the order
+cannot deadlock.
 
-Communication per step: each of the N-1 stage boundaries carries M activations forward and M
-gradients back, each (B/M) x T x H float32: 2(N-1) x B x T x H x 4 bytes in 2M(N-1) non-blocking
-point-to-point messages over all ranks, whatever M, and no collective (each rank updates only
-its own parameters).
+Communication per step: each of the K stage boundaries between two ranks (N-1; NV-1 interleaved;
+2N-2 in a V, whose turn stays on rank N-1) carries M activations forward and M gradients back,
+each (B/M) x T x H float32: 2K x B x T x H x 4 bytes in 2MK non-blocking point-to-point messages
+over all ranks, whatever M, and no collective (each rank updates only its own parameters).
 
 When to choose it: the model does not fit on one device and the links between devices are slow
 (only activations cross, and only at stage boundaries), with enough micro-batches per batch to
@@ -61,6 +81,7 @@ import statistics
 import sys
 import time
 import traceback
+import weakref
 
 import torch
 import torch.nn as nn
@@ -119,6 +140,8 @@ def parse_args(argv, world_size):
     p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per global batch")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="chunks of layers per rank for --schedule interleaved (default 2)")
     args = p.parse_args(argv)
 
     for name in ("steps", "batch_size", "log_every", "layers", "hidden", "heads", "seq_len", "micro_batches"):
@@ -149,6 +172,15 @@ def parse_args(argv, world_size):
         raise ConfigError(f"--batch-size {args.batch_size} does not split into {args.micro_batches} "
                           f"micro-batches; use --micro-batches {works}, or a --batch-size multiple "
                           f"of {args.micro_batches}")
+    if args.virtual_stages is not None and (args.schedule != "interleaved" or args.virtual_stages <= 0):
+        raise ConfigError(f"--virtual-stages {args.virtual_stages}: use a positive number, with "
+                          f"--schedule interleaved only (zbv always has 2 chunks per rank, the others 1)")
+    args.virtual_stages = chunks_of(args.schedule, args.virtual_stages or 2)
+    if args.schedule == "interleaved" and args.micro_batches % world_size:
+        works = [m for m in range(world_size, args.batch_size + 1, world_size) if args.batch_size % m == 0]
+        raise ConfigError(f"--schedule interleaved runs the micro-batches in groups of N = {world_size}: use "
+                          + (f"--micro-batches {', '.join(map(str, works))}" if works else
+                             f"a --batch-size multiple of {world_size}") + f", not {args.micro_batches}")
     return args
 
 
@@ -310,12 +342,37 @@ def wait_quietly(comm):
 # -----------------------------------------------------------------------------
 # Model: a GPT-2 style character-level language model, built whole, then cut into stages
 # -----------------------------------------------------------------------------
+class LinearWeightsLater(torch.autograd.Function):
+    """F.linear whose backward gives only the input's gradient (B) and leaves the weights' (W),
+    with the tensors they need, in a list: zero-bubble schedules run W where the pipeline idles."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, later):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.later = weight, bias, later  # the parameters themselves, for W
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.later.append((ctx.saved_tensors[0], grad, ctx.weight, ctx.bias))
+        return grad @ ctx.weight, None, None, None
+
+
+class Linear(nn.Linear):
+    """nn.Linear; with `later` set to a list, its weights' gradients wait there for W."""
+    later = None
+
+    def forward(self, x):
+        return super().forward(x) if self.later is None else \
+            LinearWeightsLater.apply(x, self.weight, self.bias, self.later)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees itself and the positions before it."""
 
     def __init__(self, hidden, heads, seq_len):
         super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.heads, self.qkv, self.proj = heads, Linear(hidden, 3 * hidden), Linear(hidden, hidden)
         self.register_buffer("future", torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1),
                              persistent=False)
 
@@ -336,7 +393,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(hidden), CausalSelfAttention(hidden, heads, seq_len)
         self.ln2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.mlp = nn.Sequential(Linear(hidden, 4 * hidden), nn.GELU(), Linear(4 * hidden, hidden))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -359,15 +416,15 @@ class Head(nn.Module):
 
     def __init__(self, hidden):
         super().__init__()
-        self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
+        self.norm, self.out = nn.LayerNorm(hidden), Linear(hidden, VOCAB, bias=False)
 
     def forward(self, x):
         return self.out(self.norm(x))
 
 
-def build_model(args, device):
-    """The full model from the seed: the same network at every world size (GPT-2's init).
-    One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
+def build_model(args):
+    """The full model from the seed, on the CPU: the same network at every world size (GPT-2's
+    init). One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
     torch.manual_seed(args.seed)
     model = nn.Sequential(Embedding(args.hidden, args.seq_len),
                           *(Block(args.hidden, args.heads, args.seq_len) for _ in range(args.layers)),
@@ -377,27 +434,46 @@ def build_model(args, device):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
-    return model.to(device)
+    return model
 
 
-def layer_split(layers, n):
-    """Blocks [lo, hi) of each rank, as even as can be. The extra blocks go to the first ranks:
+def layer_split(layers, stages):
+    """Blocks [lo, hi) of each stage, as even as can be. The extra blocks go to the first stages:
     the last also runs the head and the loss, while the embeddings cost next to nothing."""
-    sizes = [layers // n + (r < layers % n) for r in range(n)]
-    return [(sum(sizes[:r]), sum(sizes[:r + 1])) for r in range(n)]
+    sizes = [layers // stages + (s < layers % stages) for s in range(stages)]
+    return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(stages)]
 
 
-def stage_of(model, rank, n):
-    """This rank's slice of the full model: its blocks, with the embeddings first, the head last."""
-    lo, hi = layer_split(len(model) - 2, n)[rank]
-    return model[0 if rank == 0 else lo + 1:len(model) if rank == n - 1 else hi + 1]
+def stage_slice(layers, s, stages):
+    """Stage s's modules in the full nn.Sequential: its blocks, the embeddings first, the head last."""
+    lo, hi = layer_split(layers, stages)[s]
+    return slice(0 if s == 0 else lo + 1, layers + 2 if s == stages - 1 else hi + 1)
 
 
-def describe_split(layers, n):
-    return " | ".join(f"rank {r}: " + "embeddings + " * (r == 0) +
-                      (f"block {lo}" if hi - lo == 1 else f"blocks {lo}-{hi - 1}") +
-                      " + norm, head, loss" * (r == n - 1)
-                      for r, (lo, hi) in enumerate(layer_split(layers, n)))
+def build_stage(args, ranks, rank, device, split_backward):
+    """This rank's chunks (stages ranks[s] == rank, in order), cut from the full model built on the
+    CPU and moved alone to the device: the rest of the model is freed, never on the device."""
+    model = build_model(args)
+    stage = nn.ModuleList(model[stage_slice(args.layers, s, len(ranks))]
+                          for s in range(len(ranks)) if ranks[s] == rank)
+    del model
+    stage.hidden = args.hidden
+    for chunk in stage.to(device):
+        linear = [m for m in chunk.modules() if isinstance(m, Linear)]
+        chunk.later = []
+        for m in linear * split_backward:
+            m.later = chunk.later
+        in_linear = {id(p) for m in linear for p in m.parameters()}
+        chunk.weights_in_b = [p for p in chunk.parameters() if id(p) not in in_linear]
+    return stage
+
+
+def describe_split(layers, ranks):
+    parts = [("embeddings + " * (s == 0) + (f"block {lo}" if hi - lo == 1 else
+              f"blocks {lo}-{hi - 1}" if hi > lo else "no block") + " + norm, head, loss" * (s == len(ranks) - 1))
+             for s, (lo, hi) in enumerate(layer_split(layers, len(ranks)))]
+    return " | ".join(f"rank {r}: " + ", ".join(parts[s] for s in range(len(ranks)) if ranks[s] == r)
+                      for r in range(max(ranks) + 1))
 
 
 # -----------------------------------------------------------------------------
@@ -423,86 +499,201 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # Schedules: per-rank lists of actions, proven by a dry run before anything is sent
 # -----------------------------------------------------------------------------
-Action = collections.namedtuple("Action", "op mb")  # op: forward, backward, send_/recv_ act/grad
+# The model is cut into S = N x V stages (V chunks per rank; V = 1 but for interleaved and zbv).
+# op: forward, backward (input and weights at once), backward_input (B: the gradient the previous
+# stage waits for), backward_weight (W: the weights' gradients, which nobody waits for), or
+# send_/recv_ act/grad: the input of `stage` arrives from stage - 1, its gradient from stage + 1.
+Action = collections.namedtuple("Action", "op mb stage")
+COST = {"forward": 1, "backward": 2, "backward_input": 1, "backward_weight": 1}  # slots, dry run
 
 
 class ScheduleError(Exception):
     """A schedule that would deadlock, lose a message or use an input before it exists."""
 
 
-def forward_actions(n, rank, i):
-    return [Action("recv_act", i)] * (rank > 0) + [Action("forward", i)] + \
-        [Action("send_act", i)] * (rank < n - 1)
+def chunks_of(name, v):
+    return {"interleaved": v, "zbv": 2}.get(name, 1)
 
 
-def backward_actions(n, rank, i):
-    return [Action("recv_grad", i)] * (rank < n - 1) + [Action("backward", i)] + \
-        [Action("send_grad", i)] * (rank > 0)
+def stage_rank(name, n, s):
+    """The rank that holds stage s: round robin (chunks r, r+N, ...), or for zbv a V: down the
+    ranks and back up, so that rank 0 holds the first and the last stage."""
+    return (s if s < n else 2 * n - 1 - s) if name == "zbv" else s % n
 
 
-def gpipe(n, m, rank):
+def forward_actions(i, s, last):
+    return [Action("recv_act", i, s)] * (s > 0) + [Action("forward", i, s)] + \
+        [Action("send_act", i, s)] * (s < last)
+
+
+def backward_actions(i, s, last, op="backward"):
+    if op == "backward_weight":
+        return [Action(op, i, s)]
+    return [Action("recv_grad", i, s)] * (s < last) + [Action(op, i, s)] + [Action("send_grad", i, s)] * (s > 0)
+
+
+def expand(order, last):
+    """(op, micro-batch, stage) in the order a rank computes them -> its actions with messages."""
+    return [a for op, i, s in order
+            for a in (forward_actions(i, s, last) if op == "forward" else backward_actions(i, s, last, op))]
+
+
+def gpipe(n, m, rank, v=1):
     """All M forwards, then all M backwards, the last micro-batch's first."""
-    return [a for i in range(m) for a in forward_actions(n, rank, i)] + \
-           [a for i in reversed(range(m)) for a in backward_actions(n, rank, i)]
+    return expand([("forward", i, rank) for i in range(m)] +
+                  [("backward", i, rank) for i in reversed(range(m))], n - 1)
 
 
-def one_f_one_b(n, m, rank):
+def one_f_one_b(n, m, rank, v=1, backward="backward"):
     """Forwards until the first gradient can be back (warm-up), then one forward one backward,
     then the remaining backwards (cool-down)."""
     warmup = min(n - 1 - rank, m)
-    actions = [a for i in range(warmup) for a in forward_actions(n, rank, i)]
+    order = [("forward", i, rank) for i in range(warmup)]
     for i in range(m - warmup):
-        actions += forward_actions(n, rank, warmup + i) + backward_actions(n, rank, i)
-    return actions + [a for i in range(m - warmup, m) for a in backward_actions(n, rank, i)]
+        order += [("forward", warmup + i, rank), (backward, i, rank)]
+    return expand(order + [(backward, i, rank) for i in range(m - warmup, m)], n - 1)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved(n, m, rank, v):
+    """Megatron's interleaved 1F1B: rank r holds stages r, r + N, ..., and runs the micro-batches
+    in groups of N through one chunk, then the next. Warm-up: 2(N - 1 - r) + (V - 1)N forwards."""
+    total = m * v
+
+    def unit(k, backward):  # the k-th (micro-batch, stage) of this rank's forward or backward order
+        chunk = (k // n) % v
+        return (k // (n * v)) * n + k % n, (v - 1 - chunk if backward else chunk) * n + rank
+    warmup = min(total, 2 * (n - 1 - rank) + (v - 1) * n)
+    order = [("forward", *unit(k, False)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("forward", *unit(warmup + k, False)), ("backward", *unit(k, True))]
+    return expand(order + [("backward", *unit(k, True)) for k in range(total - warmup, total)], n * v - 1)
 
 
-def schedule_bound(name, n, m, rank):
-    """The most micro-batches a rank holds between their forward and backward, in theory."""
-    return m if name == "gpipe" else min(m, n - rank)
+def zb_h1(n, m, rank, v=1):
+    """Zero bubble, handcrafted ZB-H1 (Qi et al. 2023): 1F1B with the backward split in B and W,
+    one more forward in the warm-up, and each W right after the next B but for rank r's first r
+    W, kept for the end, where they fill the cool-down that 1F1B leaves idle. Every rank holds
+    at most min(M, N) micro-batches from F to W: 1F1B's peak, on rank 0."""
+    warmup, late = min(n - rank, m), min(rank, m)
+    order, f, w = [("forward", i, rank) for i in range(warmup)], warmup, 0
+    for i in range(m):
+        order.append(("backward_input", i, rank))
+        if i >= late:
+            order.append(("backward_weight", w, rank))
+            w += 1
+        if f < m:
+            order.append(("forward", f, rank))
+            f += 1
+    return expand(order + [("backward_weight", i, rank) for i in range(w, m)], n - 1)
 
 
-def dry_run(schedules, m):
-    """Execute every rank's list on paper, one slot per forward or backward, as the ranks will:
-    a send never blocks (Isend), a receive waits until its message has been sent.
+@functools.cache
+def zbv_orders(n, m):
+    """Zero bubble V (Qi et al. 2023), found by list scheduling on equal F, B, W costs: each slot,
+    each rank runs a B whose gradient is in, else a forward whose input is in (the later stage
+    first) while it holds fewer than 2N micro-batch chunks (1F1B's peak, N whole stages), else a
+    pending W. This reaches the fewest slots possible, 6M + N - 1, for M >= N (N <= 4)."""
+    last, done, clock = 2 * n - 1, {}, 0
+    nxt = {(op, s): 0 for op in COST for s in range(2 * n)}  # the next micro-batch of (op, stage)
+    orders, held = [[] for _ in range(n)], [0] * n
+    while len(done) < 6 * n * m:
+        ready = lambda key: done.get(key, math.inf) <= clock
+        for r in range(n):
+            options = []
+            for s in (r, last - r):
+                i, j, k = nxt["forward", s], nxt["backward_input", s], nxt["backward_weight", s]
+                if j < m and ready(("forward", j, s)) and (s == last or ready(("backward_input", j, s + 1))):
+                    options.append((0, 0, "backward_input", j, s))
+                if i < m and held[r] < 2 * n and (s == 0 or ready(("forward", i, s - 1))):
+                    options.append((1, -s, "forward", i, s))
+                if k < j and ready(("backward_input", k, s)):
+                    options.append((2, k, "backward_weight", k, s))
+            if options:
+                _, _, op, i, s = min(options)
+                orders[r].append((op, i, s))
+                nxt[op, s] += 1
+                held[r] += {"forward": 1, "backward_weight": -1}.get(op, 0)
+                done[op, i, s] = clock + 1
+        clock += 1
+    return orders
 
-    Raises ScheduleError unless every rank runs the forward and the backward of each of the M
-    micro-batches once, each after its inputs exist, and every message is received. Returns per
-    rank the ideal timeline [(label, start, end)] and the peak number of micro-batches held.
+
+def zbv(n, m, rank, v=2):
+    return expand(zbv_orders(n, m)[rank], 2 * n - 1)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1, "zbv": zbv}
+
+
+def schedule_bound(name, n, m, rank, v=1):
+    """The most micro-batch chunks a rank holds between their forward and their backward (their
+    W where it is split), in theory; a chunk is 1/V of a stage's layers."""
+    return {"gpipe": m, "1f1b": min(m, n - rank), "zb-h1": min(m, n), "zbv": min(2 * m, 2 * n),
+            "interleaved": min(m * v, 2 * (n - 1 - rank) + (v - 1) * n + 1)}[name]
+
+
+def bubble_theory(name, n, m, v=1):
+    """The idle share of the step when F, B and W each cost the same (a whole backward two)."""
+    return {"gpipe": (n - 1) / (m + n - 1), "1f1b": (n - 1) / (m + n - 1),
+            "interleaved": (n - 1) / (v * m + n - 1), "zbv": (n - 1) / (6 * m + n - 1),
+            "zb-h1": 1 - 3 * m / (2 * m + n - 1 + max(m, n))}[name]
+
+
+THEORY = {"gpipe": "(N-1)/(M+N-1)", "1f1b": "(N-1)/(M+N-1)", "interleaved": "(N-1)/(VM+N-1)",
+          "zb-h1": "1 - 3M/(2M+N-1+max(M,N))", "zbv": "(N-1)/(6M+N-1), reached at M >= N"}
+BOUND = {"gpipe": "M", "1f1b": "min(M, N - rank)", "zb-h1": "min(M, N)", "zbv": "min(2M, 2N)",
+         "interleaved": "min(VM, 2(N-1-rank) + (V-1)N + 1)"}
+
+
+def dry_run(schedules, m, ranks):
+    """Execute every rank's list on paper as the ranks will (a send never blocks, a receive waits
+    until its message has been sent), a forward or B or W one slot, a whole backward two.
+    ranks[s] holds stage s.
+
+    Raises ScheduleError unless every rank runs the forward and the backward (or B and W) of each
+    micro-batch through each of its stages once, each after its inputs exist, and every message
+    is received. Returns per rank the ideal timeline [(label, start, end)] and the peak number of
+    micro-batch chunks held between forward and backward (or W).
     """
-    n = len(schedules)
-    pc, clock, sent = [0] * n, [0] * n, {}  # sent: (src, dst, kind, mb) -> slot it was sent at
-    have = [set() for _ in range(n)]  # (act|grad, mb) received, (forward|backward, mb) computed
+    n, last = len(schedules), len(ranks) - 1
+    pc, clock, sent = [0] * n, [0] * n, {}  # sent: (kind, receiving stage, mb) -> slot it was sent at
+    have = [set() for _ in range(n)]  # (act|grad, mb, stage) received, (op, mb, stage) computed
     spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
+    chunk = {s: sorted(t for t in range(last + 1) if ranks[t] == ranks[s]).index(s) for s in range(last + 1)}
     moved = True
     while moved:
         moved = False
         for r in range(n):
             while pc[r] < len(schedules[r]):
-                op, i = schedules[r][pc[r]]
+                a = schedules[r][pc[r]]
+                op, i, s = a
+                if not (0 <= s <= last and ranks[s] == r and 0 <= i < m):
+                    raise ScheduleError(f"rank {r}: {a} is not this rank's stage or micro-batch")
                 kind = op.split("_")[-1]
                 if op.startswith("recv_"):
-                    key = (r - 1 if kind == "act" else r + 1, r, kind, i)
-                    if key not in sent:
+                    if (kind, s, i) not in sent:
                         break  # blocked until the peer sends
-                    clock[r] = max(clock[r], sent.pop(key))
-                    have[r].add((kind, i))
+                    clock[r] = max(clock[r], sent.pop((kind, s, i)))
+                    have[r].add((kind, i, s))
                 elif op.startswith("send_"):
-                    dst, needs = (r + 1, "forward") if kind == "act" else (r - 1, "backward")
-                    if (needs, i) not in have[r] or not 0 <= dst < n or (r, dst, kind, i) in sent:
-                        raise ScheduleError(f"rank {r}: {op} {i} before its {needs}, to no rank, or twice")
-                    sent[(r, dst, kind, i)] = clock[r]
-                elif op in ("forward", "backward"):
-                    needs = ([("act", i)] if r > 0 else []) if op == "forward" else \
-                        [("forward", i)] + ([("grad", i)] if r < n - 1 else [])
-                    if (op, i) in have[r] or not 0 <= i < m or not all(x in have[r] for x in needs):
-                        raise ScheduleError(f"rank {r}: {op} {i} twice, out of range, or before {needs}")
-                    have[r].add((op, i))
-                    spans[r].append((f"{op[0].upper()}{i}", clock[r], clock[r] + 1))
-                    clock[r] += 1
-                    held[r] += 1 if op == "forward" else -1
+                    to, needs = (s + 1, ["forward"]) if kind == "act" else (s - 1, ["backward", "backward_input"])
+                    if not any((x, i, s) in have[r] for x in needs) or not 0 <= to <= last or (kind, to, i) in sent:
+                        raise ScheduleError(f"rank {r}: {op} {i} before its {needs[0]}, to no stage, or twice")
+                    sent[(kind, to, i)] = clock[r]
+                elif op in COST:
+                    needs = {"forward": [("act", i, s)] * (s > 0),
+                             "backward_weight": [("backward_input", i, s)]}.get(
+                        op, [("forward", i, s)] + [("grad", i, s)] * (s < last))
+                    twice = {"backward": ["backward", "backward_input"],
+                             "backward_input": ["backward", "backward_input"]}.get(op, [op])
+                    if any((x, i, s) in have[r] for x in twice) or not all(x in have[r] for x in needs):
+                        raise ScheduleError(f"rank {r}: {op} {i} of stage {s} twice, or before {needs}")
+                    have[r].add((op, i, s))
+                    label = op[0].upper() if op != "backward_weight" else "W"
+                    spans[r].append((label + str(i) + ("abcdefgh"[chunk[s]] if last >= n else ""),
+                                     clock[r], clock[r] + COST[op]))
+                    clock[r] += COST[op]
+                    held[r] += {"forward": 1, "backward": -1, "backward_weight": -1}.get(op, 0)
                     peak[r] = max(peak[r], held[r])
                 else:
                     raise ScheduleError(f"rank {r}: unknown action {op!r}")
@@ -512,100 +703,128 @@ def dry_run(schedules, m):
     if stuck:
         raise ScheduleError(f"deadlock: {', '.join(stuck)} wait for messages never sent")
     if sent:
-        raise ScheduleError(f"messages never received (src, dst, kind, micro-batch): {sorted(sent)}")
-    for r in range(n):  # each ran at most once and in range: 2M of them means all of them
-        if len(spans[r]) != 2 * m:
-            raise ScheduleError(f"rank {r} does not run the forward and backward of all {m} micro-batches")
+        raise ScheduleError(f"messages never received (kind, stage, micro-batch): {sorted(sent)}")
+    for r in range(n):  # each ran at most once and in range: that many means all of them
+        work = sum(COST[op] for op, _, _ in (x for x in schedules[r] if x.op in COST))
+        if work != 3 * m * sum(1 for s in ranks if s == r) or held[r]:
+            raise ScheduleError(f"rank {r} does not run the forward and backward of all {m} "
+                                f"micro-batches through each of its stages")
     return spans, peak
 
 
 # -----------------------------------------------------------------------------
 # The pipeline-parallel training step: this rank's list of actions, executed
 # -----------------------------------------------------------------------------
-def tag(kind, mb):
-    return 1 + 2 * mb + (kind == "grad")  # tag 0: the shapes, before training
-
-
-def agree_shapes(stage, comm, batch, seq_len, device):
-    """Before training, each stage learns what it will receive: rank r runs its stage on a probe of
-    its input and tells rank r+1 the shape and dtype of its output (metadata: pickled is fine).
-    Returns (shape, dtype) of the activations this rank receives and of the gradients."""
-    rank, n = comm.Get_rank(), comm.Get_size()
-    if rank == 0:
-        probe = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-    else:
-        shape, dtype = comm.recv(source=rank - 1, tag=0)
-        probe = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-    with torch.no_grad():
-        out = stage(probe)
-    if rank < n - 1:
-        comm.send((tuple(out.shape), str(out.dtype).removeprefix("torch.")), dest=rank + 1, tag=0)
-    return {"act": (probe.shape, probe.dtype), "grad": (out.shape, out.dtype)}
+def tag(kind, mb, stage, stages):
+    """The message that carries the input (act) or the gradient (grad) of `stage` for micro-batch mb."""
+    return 1 + 2 * (mb * stages + stage) + (kind == "grad")
 
 
 class ActivationMeter:
-    """Micro-batches held between forward and backward, and the bytes autograd saved for them
-    (each storage once; parameters and buffers left out): the memory a schedule costs."""
+    """What autograd really holds for each (stage, micro-batch) between its forward and its
+    backward (or W): every tensor saved for backward is counted by storage from the moment it is
+    saved until the last reference to it dies (a weakref finalizer), parameters and buffers left
+    out. Peak: the most (stage, micro-batch) pairs holding memory at once, and their bytes."""
 
     def __init__(self, stage):
         self.fixed = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
-        self.live, self.peak_count, self.peak_bytes, self.per_mb = {}, 0, 0, 0
+        self.live, self.refs = collections.Counter(), collections.Counter()  # key -> bytes, (key, storage) -> tensors
+        self.peak_count = self.peak_bytes = self.per_mb = 0
 
-    @contextlib.contextmanager
-    def forward(self, mb):
-        saved = {}
-
-        def pack(t):  # called on every tensor autograd saves for backward
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    def hold(self, key, t):
+        """Count t for key until the object returned (an alias of t) is freed."""
+        storage = t.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if ptr in self.fixed:
             return t
+        alias = t.detach()
+        self.refs[key, ptr] += 1
+        if self.refs[key, ptr] == 1:
+            self.live[key] += size
+            self.per_mb = max(self.per_mb, self.live[key])
+            self.peak_count = max(self.peak_count, len(self.live))
+            self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+        weakref.finalize(alias, self.release, key, ptr, size)
+        return alias
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self.live[mb] = sum(v for k, v in saved.items() if k not in self.fixed)
-        self.per_mb, self.peak_count = max(self.per_mb, self.live[mb]), max(self.peak_count, len(self.live))
-        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+    def release(self, key, ptr, size):
+        self.refs[key, ptr] -= 1
+        if not self.refs[key, ptr]:
+            del self.refs[key, ptr]
+            self.live[key] -= size
+            if not self.live[key]:
+                del self.live[key]
+
+    def saving(self, key):
+        return torch.autograd.graph.saved_tensors_hooks(functools.partial(self.hold, key), lambda t: t)
 
 
-def train_step(stage, optimizer, actions, x, y, m, shapes, exchange, meter, timeline):
-    """One optimizer step: this rank's actions over M micro-batches. Returns on the last rank the
-    step's loss (the sum of the micro-batches' losses, each divided by M), elsewhere 0."""
-    rank, n = exchange.comm.Get_rank(), exchange.comm.Get_size()
+def weight_gradients(work):
+    """W: the weights' gradients that the backward of Linear (B) left for later, added up."""
+    for x, grad, weight, bias in work:
+        g = grad.reshape(-1, grad.shape[-1])
+        for p, value in ((weight, g.t() @ x.reshape(-1, x.shape[-1])), (bias, g.sum(0))):
+            if p is not None:
+                p.grad = value if p.grad is None else p.grad.add_(value)
+
+
+def train_step(stage, optimizer, actions, ranks, x, y, m, exchange, meter, timeline):
+    """One optimizer step: this rank's actions over M micro-batches. stage[c] is this rank's c-th
+    chunk, ranks[s] the rank of stage s. Returns on the rank of the last stage the step's loss
+    (the sum of the micro-batches' losses, each divided by M), elsewhere 0."""
+    rank, last = exchange.comm.Get_rank(), len(ranks) - 1
+    chunk = {s: stage[c] for c, s in enumerate(s for s in range(last + 1) if ranks[s] == rank)}
     xs, ys = x.chunk(m), y.chunk(m)
-    inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
+    inputs, outputs, arrived, later, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
     optimizer.zero_grad(set_to_none=False)
 
+    def peer(a):  # an input comes from the stage before and goes to the one after, a gradient back
+        return ranks[a.stage + (1 if a.op in ("send_act", "recv_grad") else -1)]
+
     def post(a):
-        kind = a.op.split("_")[1]
-        shape, dtype = shapes[kind]
-        recvs[a] = exchange.irecv(torch.empty(shape, dtype=dtype, device=x.device),
-                                  rank - 1 if kind == "act" else rank + 1, tag(kind, a.mb))
+        recvs[a] = exchange.irecv(torch.empty(x.size(0) // m, x.size(1), stage.hidden, device=x.device),
+                                  peer(a), tag(a.op[5:], a.mb, a.stage, last + 1))
 
     for k, a in enumerate(actions):
-        if a.op in ("forward", "backward"):  # post the next receive, to land while we compute
-            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_")), None)
+        key, kind = (a.stage, a.mb), a.op[5:]
+        if a.op in COST:  # post the next receive from another rank, to land while we compute
+            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_") and peer(b) != rank), None)
             if upcoming is not None and upcoming not in recvs:
                 post(upcoming)
-        if a.op.startswith("recv_"):
+        if a.op.startswith("recv_") and peer(a) != rank:  # from this rank: already in `arrived`
             if a not in recvs:
                 post(a)
-            received[a] = recvs.pop(a).wait()  # idle until the peer's message is in
+            arrived[kind, key] = recvs.pop(a).wait()  # idle until the peer's message is in
+        elif a.op.startswith("send_"):
+            to = a.stage + 1 if kind == "act" else a.stage - 1
+            t = outputs[key].detach() if kind == "act" else inputs.pop(key).grad
+            if peer(a) == rank:  # the next stage lives here too (the turn of the V): no message
+                arrived[kind, (to, a.mb)] = t
+            else:
+                sends.append(exchange.isend(t.contiguous(), peer(a), tag(kind, a.mb, to, last + 1)))
         elif a.op == "forward":
-            with timeline.span("compute", f"F{a.mb}"), meter.forward(a.mb):
-                inp = xs[a.mb] if rank == 0 else received.pop(Action("recv_act", a.mb)).requires_grad_()
-                out = stage(inp)
-                if rank == n - 1:  # divided by M: the summed gradients are the whole batch's
+            with timeline.span("compute", f"F{a.mb}"), meter.saving(key):
+                inp = xs[a.mb] if a.stage == 0 else arrived.pop(("act", key)).requires_grad_()
+                out = chunk[a.stage](inp) if len(chunk[a.stage]) else inp.view_as(inp)  # no blocks: pass on
+                if a.stage == last:  # divided by M: the summed gradients are the whole batch's
                     out = F.cross_entropy(out.flatten(0, 1), ys[a.mb].flatten()) / m
                     total += out.item()
-            inputs[a.mb], outputs[a.mb] = inp, out
-        elif a.op == "backward":
-            with timeline.span("compute", f"B{a.mb}"):
-                outputs.pop(a.mb).backward(None if rank == n - 1 else received.pop(Action("recv_grad", a.mb)))
-            del meter.live[a.mb]
-            grads[a.mb] = inputs.pop(a.mb).grad
-        elif a.op == "send_act":
-            sends.append(exchange.isend(outputs[a.mb].detach(), rank + 1, tag("act", a.mb)))
-        elif a.op == "send_grad":
-            sends.append(exchange.isend(grads.pop(a.mb).contiguous(), rank - 1, tag("grad", a.mb)))
+            inputs[key], outputs[key] = inp, out
+        elif a.op in ("backward", "backward_input"):
+            grad = None if a.stage == last else arrived.pop(("grad", key))
+            with timeline.span("compute", f"{a.op[0].upper()}{a.mb}"):
+                if a.op == "backward":
+                    outputs.pop(key).backward(grad)
+                else:  # B: the input's gradient and the small weights'; the Linear weights' go to W
+                    leaves = [inputs[key]] * (a.stage > 0) + chunk[a.stage].weights_in_b
+                    outputs.pop(key).backward(grad, inputs=leaves)
+                    later[key] = [(meter.hold(key, x_), meter.hold(key, g), w, b) for x_, g, w, b in chunk[a.stage].later]
+                    chunk[a.stage].later.clear()
+            if a.stage == 0:
+                inputs.pop(key)
+        elif a.op == "backward_weight":
+            with timeline.span("compute", f"W{a.mb}"):
+                weight_gradients(later.pop(key))
         sends = [s for s in sends if not s.done()]
     for s in sends:
         s.wait()
@@ -709,13 +928,13 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
 # -----------------------------------------------------------------------------
 # Check against single-process training
 # -----------------------------------------------------------------------------
-def reference_training(args, device):
-    """The same steps in one plain process: the unsplit model on the whole batch at once."""
-    model = build_model(args, device)
+def reference_training(args):
+    """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
+    model = build_model(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     losses = []
     for step in range(args.steps):
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -724,23 +943,25 @@ def reference_training(args, device):
     return losses, model
 
 
-def check(args, exchange, device, losses, model, stage):
-    """Largest |difference| in losses and in final parameters. Rank 0 trains the reference and
-    broadcasts its parameters; each rank compares those of its own stage."""
-    comm, diff = exchange.comm, 0.0
-    where, at = {}, 0  # parameter -> its place in the flat vector of all parameters
-    for p in model.parameters():
-        where[p], at = (at, at + p.numel()), at + p.numel()
-    flat = torch.empty(at, device=device)
-    if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args, device)
+def check(args, comm, losses, stage, ranks):
+    """Largest |difference| in losses and in final parameters. Rank 0 trains the reference on the
+    CPU and sends each rank the parameters of its own stages alone, which that rank compares."""
+    rank, diff = comm.Get_rank(), 0.0
+    mine = torch.cat([p.detach().reshape(-1).cpu() for p in stage.parameters()])
+    if rank == 0:
+        ref_losses, ref_model = reference_training(args)
         diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        flat = torch.cat([p.detach().reshape(-1) for p in ref_model.parameters()])
-    wait_quietly(comm)
-    exchange.bcast(flat, root=0)
-    for p in stage.parameters():
-        lo, hi = where[p]
-        diff = max(diff, (p.detach().reshape(-1).double() - flat[lo:hi].double()).abs().max().item())
+    wait_quietly(comm)  # the others sleep while the reference trains
+    if rank == 0:
+        for r in reversed(range(comm.Get_size())):
+            ref = torch.cat([p.detach().reshape(-1) for s in range(len(ranks)) if ranks[s] == r
+                             for p in ref_model[stage_slice(args.layers, s, len(ranks))].parameters()])
+            if r:
+                comm.Send(ref, dest=r, tag=0)
+    else:
+        ref = torch.empty_like(mine)
+        comm.Recv(ref, source=0, tag=0)
+    diff = max(diff, (mine.double() - ref.double()).abs().max().item())
     return comm.allreduce(diff, op=MPI.MAX)
 
 
@@ -808,6 +1029,16 @@ def write_trace(comm, timeline, path, t0):
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
 
 
+def resident_bytes():
+    """This process's resident memory now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def say(comm, *lines):
     if comm.Get_rank() == 0:
         print(*lines, sep="\n", flush=True)
@@ -830,16 +1061,17 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     exchange = Exchange(comm, timeline, cuda_aware)
 
     # Every rank makes and proves the lists of all ranks, so all reach the same verdict.
-    n, m = world_size, args.micro_batches
-    schedules = [SCHEDULES[args.schedule](n, m, r) for r in range(n)]
-    ideal, ideal_peak = dry_run(schedules, m)
+    n, m, v = world_size, args.micro_batches, args.virtual_stages
+    ranks = [stage_rank(args.schedule, n, s) for s in range(n * v)]
+    schedules = [SCHEDULES[args.schedule](n, m, r, v) for r in range(n)]
+    ideal, ideal_peak = dry_run(schedules, m, ranks)
     slots = max(e for row in ideal for _, _, e in row)
+    loss_rank = ranks[-1]  # the rank of the last stage computes the loss (rank 0 in a V)
 
-    model = build_model(args, device)  # whole on every rank, from the seed; each keeps its stage
-    stage = stage_of(model, rank, n)
+    stage = build_stage(args, ranks, rank, device, args.schedule in ("zb-h1", "zbv"))
     optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
     config = {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-              "seq_len": args.seq_len, "vocab": VOCAB}  # the network the shards belong to
+              "seq_len": args.seq_len, "vocab": VOCAB, "stages": ranks}  # what the shards belong to
     done = []
     if args.resume:
         try:
@@ -854,9 +1086,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         done = shard["losses"]
         say(comm, f"resumed from {args.save} at step {manifest['step']} "
                   f"(written by {manifest['world_size']} ranks)")
-    shapes = agree_shapes(stage, comm, args.batch_size // m, args.seq_len, device)
     meter = ActivationMeter(stage)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in build_model(args).parameters()) if rank == 0 else 0
     stage_params = comm.allgather(sum(p.numel() for p in stage.parameters()))
     transport = "n/a (CPU)" if device.type == "cpu" else (
         "direct (CUDA-aware MPI)" if cuda_aware else "staged through host memory")
@@ -864,12 +1095,14 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         f"CUDA buffers: {transport} | model: GPT, {args.layers} blocks x {args.hidden} hidden x "
         f"{args.heads} heads, {params:,} parameters ({4 * params / 1e6:.2f} MB) | text: "
         f"{' + '.join(s + '.py' for s in SOURCES)}, {len(load_text()):,} characters",
-        f"stages: {describe_split(args.layers, n)} | parameters per rank: "
+        f"stages: {describe_split(args.layers, ranks)} | parameters per rank: "
         f"{' '.join(f'{k:,}' for k in stage_params)}",
-        f"schedule {args.schedule} | global batch {args.batch_size} = {m} micro-batches x "
-        f"{args.batch_size // m} sequences of {args.seq_len} characters | between stages: "
-        f"{list(shapes['grad'][0]) if n > 1 else 'nothing'} float32 | dry run of every rank's "
-        f"actions: each send meets its receive, each input exists before use, no deadlock")
+        f"schedule {args.schedule}{f' ({v} chunks per rank)' if v > 1 else ''} | global batch "
+        f"{args.batch_size} = {m} micro-batches x {args.batch_size // m} sequences of {args.seq_len} "
+        f"characters | between stages: "
+        f"{[args.batch_size // m, args.seq_len, args.hidden] if n > 1 else 'nothing'} float32 | dry "
+        f"run of every rank's actions: each send meets its receive, each input exists before use, "
+        f"no deadlock")
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     if device.type == "cpu" and node.Get_size() > (os.cpu_count() or 1):
         say(comm, f"note: {node.Get_size()} ranks share {os.cpu_count()} CPU cores, so stages that "
@@ -883,8 +1116,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         inject_failure(comm, step)
         start = time.perf_counter()
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        losses.append(train_step(stage, optimizer, schedules[rank], x, y, m, shapes, exchange,
-                                 meter, timeline))
+        losses.append(train_step(stage, optimizer, schedules[rank], ranks, x, y, m, exchange, meter, timeline))
         sync(device)
         window = (start, time.perf_counter())
         record = {"step_s": window[1] - start, **{f"{k}_s": v for k, v in timeline.take().items()}}
@@ -892,32 +1124,35 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         record["idle_s"] = max(0.0, record["step_s"] - record.get("compute_s", 0) - record.get("comm_s", 0))
         records.append(record)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            loss = comm.bcast(losses[-1], root=n - 1)  # reporting only, not counted
+            loss = comm.bcast(losses[-1], root=loss_rank)  # reporting only, not counted
             say(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | "
                       f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
                       f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
             shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-                     "losses": comm.bcast(losses, root=n - 1)}  # the last rank computed them
+                     "losses": comm.bcast(losses, root=loss_rank)}  # that rank computed them
             save_checkpoint(comm, args.save, step + 1, shard, config)
     ran = max(1, args.steps - len(done))  # per-step counts: the training exchanges only
     messages, sent = (comm.allreduce(count["send"] / ran) for count in (exchange.calls, exchange.bytes))
+    rss = comm.allgather(resident_bytes())  # while the stage trains, before any check
 
-    # The last rank computed the losses; every rank gets them.
-    losses = exchange.bcast(torch.tensor(losses, dtype=torch.float64), root=n - 1).tolist()
-    width = len(f"B{m - 1}") + 1
+    losses = exchange.bcast(torch.tensor(losses, dtype=torch.float64), root=loss_rank).tolist()
+    width = len(f"B{m - 1}") + 1 + (v > 1)
     measured = measured_timeline(comm, timeline, window, t0, width, 2 * slots)
     peaks = comm.allgather((meter.peak_count, meter.peak_bytes, meter.per_mb))
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
-    diff = check(args, exchange, device, losses, model, stage) if args.check else None
+    diff = check(args, comm, losses, stage, ranks) if args.check else None
     if args.trace:
         write_trace(comm, timeline, args.trace, t0)
 
     slowest, _ = step_summary(comm, records)
-    theory, bubble, dry_bubble = (n - 1) / (m + n - 1), statistics.mean(waits), 1 - 2 * m / slots
-    bounds = [schedule_bound(args.schedule, n, m, r) for r in range(n)]
-    formula = 2 * (n - 1) * args.batch_size * args.seq_len * args.hidden * 4
-    say(comm, f"ideal timeline (the dry run; F/B: forward/backward of micro-batch i, one slot each, "
+    theory, bubble = bubble_theory(args.schedule, n, m, v), statistics.mean(waits)
+    dry_bubble = 1 - 3 * m * v / slots
+    bounds = [schedule_bound(args.schedule, n, m, r, v) for r in range(n)]
+    crossings = sum(a != b for a, b in zip(ranks, ranks[1:]))  # stage boundaries between two ranks
+    formula = 2 * crossings * args.batch_size * args.seq_len * args.hidden * 4
+    say(comm, f"ideal timeline (the dry run; F/B/W: forward/backward/weights' gradients of micro-batch "
+              f"i, one slot each, a whole backward B two{', a/b...: the chunk' if v > 1 else ''}; "
               f"'.': idle) | bubble {100 * dry_bubble:.0f}%:",
         *draw_timeline(ideal, slots, slots, width),
         "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
@@ -926,14 +1161,16 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
         f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
         f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer (per rank "
-        f"{' '.join(f'{100 * w:.0f}%' for w in waits)}) | theory (N-1)/(M+N-1) = {n - 1}/{m + n - 1} "
-        f"= {100 * theory:.0f}%",
-        f"micro-batches held at once, peak per rank: {' '.join(str(p[0]) for p in peaks)} | bound "
-        f"{'M' if args.schedule == 'gpipe' else 'min(M, N - rank)'}: {' '.join(map(str, bounds))} | "
-        f"saved activations at peak: {' '.join(f'{p[1] / 1e6:.2f}' for p in peaks)} MB "
-        f"(one micro-batch: at most {max(p[2] for p in peaks) / 1e6:.2f} MB)",
+        f"{' '.join(f'{100 * w:.0f}%' for w in waits)}) | theory {THEORY[args.schedule]} = "
+        f"{100 * theory:.1f}%",
+        f"micro-batch chunks held at once (measured: tensors autograd keeps), peak per rank: "
+        f"{' '.join(str(p[0]) for p in peaks)} | bound {BOUND[args.schedule]}: {' '.join(map(str, bounds))}"
+        f" | saved activations at peak: {' '.join(f'{p[1] / 1e6:.2f}' for p in peaks)} MB "
+        f"(one chunk: at most {max(p[2] for p in peaks) / 1e6:.2f} MB) | resident memory per rank: "
+        f"{' '.join(f'{b / 1e6:.0f}' for b in rss)} MB",
         f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
-        f"2(N-1) x B x T x H x 4 = {formula:,} | no collective in the step")
+        f"2K x B x T x H x 4 = {formula:,} with K = {crossings} stage boundaries between ranks"
+        f" | no collective in the step")
     ok = diff is None or diff <= TOLERANCE
     if diff is not None:
         say(comm, f"check against single-process training: max |diff| {diff:.2e} "
@@ -946,12 +1183,13 @@ def main(argv=None, comm=MPI.COMM_WORLD):
             "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"],
             "comm_bytes_per_step": sent, "collectives_per_step": 0,
             "check_max_abs_diff": diff, "schedule": args.schedule, "micro_batches": m,
-            "messages_per_step": messages, "layer_split": layer_split(args.layers, n),
+            "virtual_stages": v, "messages_per_step": messages,
+            "layer_split": layer_split(args.layers, n * v), "stage_ranks": ranks,
             "stage_params": stage_params, "bubble_fraction": bubble, "bubble_fraction_ranks": waits,
             "bubble_fraction_theory": theory, "bubble_fraction_dry_run": dry_bubble,
             "peak_activations": [p[0] for p in peaks], "peak_activations_bound": bounds,
             "peak_activations_dry_run": ideal_peak, "peak_activation_bytes": [p[1] for p in peaks],
-            "activation_bytes_per_micro_batch": [p[2] for p in peaks]}))
+            "activation_bytes_per_micro_batch": [p[2] for p in peaks], "resident_bytes": rss}))
     return 0 if ok else 1
 
 
