@@ -65,9 +65,10 @@ def max_everywhere(value, comm=None):
 
 
 def clean_env(**extra):
-    """This environment without the variables of the MPI job pytest may be running in."""
+    """This environment without the variables of the MPI job pytest may be running in, and
+    without GPUs: the suite runs on the CPU whatever the machine (GPU runs: bench/run.py --gpu)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)}
-    env.update({k: str(v) for k, v in extra.items()})
+    env.update({"CUDA_VISIBLE_DEVICES": "", **{k: str(v) for k, v in extra.items()}})
     return env
 
 

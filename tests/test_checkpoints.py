@@ -90,6 +90,49 @@ def test_killed_job_resumes_to_exactly_the_same_result(script, fail_at, tmp_path
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_a_checkpoint_that_cannot_be_written_ends_the_job_with_one_line(script, tmp_path, uninterrupted):
+    """A full disk while rank 1 writes step 8: one line naming the step, exit 1 on every rank,
+    step 4 whole; --resume then continues from step 4 to the uninterrupted result."""
+    whole, whole_state, _ = uninterrupted(script)
+    failed = run(script, tmp_path, env=clean_env(FAIL_AT="1:8:oserror:save"))
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    assert len(errors) == 1 and "checkpoint of step 8 could not be written" in errors[0], failed.stderr
+    assert "No space left on device" in errors[0] and "step-000004" in errors[0]
+    assert [p.name for p in tmp_path.iterdir() if "step" in p.name] == ["step-000004"]
+    resumed = last_json(run(script, tmp_path, "--resume"))
+    assert resumed["losses"] == whole["losses"] and same(state(tmp_path), whole_state)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("flags", [["--warmup-steps", "6", "--scale-lr", "--accum-steps", "2", "--sync-bn"],
+                                   ["--warmup-steps", "6", "--scale-lr", "--accum-steps", "2"]])
+def test_data_parallel_resumes_under_every_flag_that_changes_the_computation(flags, tmp_path):
+    """Killed at step 6 and resumed, with --check: the check replays all 12 steps in one process,
+    so a learning-rate schedule that restarted, or accumulation state lost, would FAIL it."""
+    # 48: 6 samples per rank and micro-step. With 3 (batch 24) per-rank BatchNorm amplifies rounding
+    # to 4.5e-5 over 12 steps, with or without a resume (data_parallel.py's TOLERANCE comment).
+    base = ["--batch-size", "48", "--steps", STEPS, "--save-every", EVERY, "--save", tmp_path, "--json", *flags]
+    killed = launch("data_parallel.py", 4, *base, "--no-check", env=clean_env(FAIL_AT="1:6:kill"))
+    assert killed.returncode != 0 and latest(tmp_path).name == "step-000004"
+    resumed = last_json(launch("data_parallel.py", 4, *base, "--resume"))
+    assert resumed["check_max_abs_diff"] <= 2e-5
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sync_bn", [[], ["--sync-bn"]])
+def test_data_parallel_resumed_at_another_world_size_passes_its_check(sync_bn, tmp_path):
+    """4 ranks for 4 steps, then 2 ranks for 4 more: the check replays what really happened
+    (the manifest's world sizes), so per-rank BatchNorm does not make a false FAIL."""
+    base = ["--batch-size", "24", "--save", tmp_path, "--json", *sync_bn]
+    assert launch("data_parallel.py", 4, *base, "--steps", 4, "--no-check").returncode == 0
+    resumed = last_json(launch("data_parallel.py", 2, *base, "--steps", 8, "--resume"))
+    assert resumed["world_size"] == 2 and len(resumed["losses"]) == 8
+    assert resumed["check_max_abs_diff"] <= 2e-5
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_damaged_checkpoint_is_refused(script, finished, damage):
     save = finished(script)

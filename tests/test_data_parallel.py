@@ -6,22 +6,27 @@ import torch
 import torch.nn as nn
 
 import data_parallel as dp
-from harness import SIZES, agree, last_json, launch, max_everywhere, sub_comm
+from harness import SIZES, agree, clean_env, last_json, launch, max_everywhere, sub_comm
 
 CPU = torch.device("cpu")
 
 
-def exchange_on(comm):
-    return dp.Exchange(comm, dp.Timeline(CPU), cuda_aware=False)
+def counted(comm):
+    return dp.CountedComm(comm, dp.Timeline(CPU))
 
 
 def run_steps(comm, argv):
-    """Train on comm as the script does; returns the global losses and the final model."""
+    """Train on comm as the script does; returns the global losses, the final model (running
+    statistics averaged) and the counted communicator of the gradients."""
     args = dp.parse_args(argv, comm.Get_size())
-    exchange = exchange_on(comm)
-    model, optimizer, buckets = dp.replicate(args, comm, CPU, exchange)
-    losses, _ = dp.train(args, comm, CPU, exchange, model, optimizer, buckets)
-    return dp.finish(args, comm, exchange, model, losses), model, exchange
+    timeline = dp.Timeline(CPU)
+    grads, syncbn = dp.CountedComm(comm, timeline), dp.CountedComm(comm, timeline)
+    model, optimizer, buckets = dp.replicate(args, grads, CPU, syncbn)
+    grads.reset()
+    losses, _ = dp.train(args, comm, CPU, model, optimizer, buckets, timeline)
+    if not args.sync_bn:
+        dp.average_buffers(model, comm)
+    return dp.global_losses(comm, losses), model, grads
 
 
 @pytest.mark.mpi
@@ -36,7 +41,7 @@ def test_bucketed_allreduce_equals_the_mean_of_every_rank_gradients(size, overla
             every_rank = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * r + i))
                            for i, p in enumerate(params)] for r in range(size)]
             expected = [sum(g[i] for g in every_rank) / size for i in range(len(params))]
-            buckets = dp.GradBuckets(params, exchange_on(comm), bucket_bytes=1200, overlap=overlap)
+            buckets = dp.GradBuckets(params, counted(comm), bucket_bytes=1200, overlap=overlap)
             buckets_made = len(buckets.buckets)
 
             def backward():  # stands in for autograd: gradients arrive last parameter first
@@ -63,7 +68,7 @@ def test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch(size, shape):
             full = torch.randn((shape[0] * size,) + shape[1:], generator=g) * 3 + 1
             upstream = torch.randn(full.shape, generator=g)
             plain = dp.BatchNorm(shape[1])
-            synced = dp.BatchNorm(shape[1], exchange_on(comm))
+            synced = dp.BatchNorm(shape[1], comm)
             with torch.no_grad():
                 for bn in (plain, synced):
                     bn.weight.copy_(torch.linspace(0.5, 2, shape[1]))
@@ -74,8 +79,9 @@ def test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch(size, shape):
             x = full[mine].clone().requires_grad_()
             # Each rank's loss is its share; the gradient average over ranks (x N) makes the sum.
             (synced(x) * upstream[mine]).sum().backward()
-            weight_grad = exchange_on(comm).allreduce(synced.weight.grad.clone())
-            bias_grad = exchange_on(comm).allreduce(synced.bias.grad.clone())
+            weight_grad, bias_grad = synced.weight.grad.clone(), synced.bias.grad.clone()
+            for t in (weight_grad, bias_grad):
+                comm.Allreduce(dp.MPI.IN_PLACE, t, op=dp.MPI.SUM)
             diff = max((synced(x).detach() - plain(x_full).detach()[mine]).abs().max().item(),
                        (x.grad - x_full.grad[mine]).abs().max().item(),
                        (weight_grad - plain.weight.grad).abs().max().item(),
@@ -94,9 +100,40 @@ def test_training_steps_equal_the_single_process_reference(size, flags):
         if comm is not None:
             argv = ["--steps", "3", "--batch-size", "24"] + flags
             losses, model, _ = run_steps(comm, argv)
-            ref_losses, ref_model = dp.reference_training(dp.parse_args(argv, size), size, CPU)
-            diff = dp.max_difference(losses, model, ref_losses, ref_model)
+            ref_losses, ref_model = dp.reference_training(dp.parse_args(argv, size), [size] * 3, CPU)
+            diff = dp.max_difference(losses, model.state_dict(), ref_losses, ref_model)
         assert max_everywhere(diff) <= dp.TOLERANCE
+
+
+@pytest.mark.mpi
+def test_the_check_catches_a_difference_just_above_its_tolerance():
+    """A negative control: every parameter in turn, and one loss, moved by 1.5x the tolerance."""
+    with sub_comm(2) as comm:
+        caught = True
+        if comm is not None:
+            argv = ["--steps", "2", "--batch-size", "8"]
+            losses, model, _ = run_steps(comm, argv)
+            reference = dp.reference_training(dp.parse_args(argv, 2), [2, 2], CPU)
+            state = model.state_dict()
+            caught = dp.max_difference(losses, state, *reference) <= dp.TOLERANCE
+            for name, t in state.items():
+                if t.is_floating_point():
+                    nudged = dict(state, **{name: t + 1.5 * dp.TOLERANCE * (torch.arange(t.numel()) == t.numel() // 2).view_as(t)})
+                    caught = caught and dp.max_difference(losses, nudged, *reference) > dp.TOLERANCE
+            caught = caught and dp.max_difference([losses[0], losses[1] + 1.5 * dp.TOLERANCE], state,
+                                                  *reference) > dp.TOLERANCE
+        assert agree(caught)
+
+
+@pytest.mark.mpi
+def test_replicate_broadcasts_rank_0_weights_to_ranks_that_start_elsewhere():
+    with sub_comm(3) as comm:
+        same = True
+        if comm is not None:
+            args = dp.parse_args(["--batch-size", "6", "--seed", str(comm.Get_rank())], 3)  # a seed per rank
+            model, _, _ = dp.replicate(args, comm, CPU)
+            same = dp.checksum(model) == dp.checksum(dp.build_model(0, CPU))
+        assert agree(same)
 
 
 @pytest.mark.mpi
@@ -110,7 +147,7 @@ def test_overlap_and_no_overlap_give_the_same_parameters(size):
             _, blocking, ex_blocking = run_steps(comm, argv + ["--no-overlap"])
             diff = max((a - b).abs().max().item()
                        for a, b in zip(overlapped.parameters(), blocking.parameters()))
-            several_buckets = ex.calls["allreduce"] == 3 * ex_blocking.calls["allreduce"] == 9
+            several_buckets = ex.calls["Iallreduce"] == 3 * ex_blocking.calls["Allreduce"] == 9
         assert agree(several_buckets)
         # MPI may sum a 20 KB bucket and the whole 250 KB in different orders: rounding only.
         assert max_everywhere(diff) < 1e-6
@@ -144,10 +181,10 @@ def test_replicas_start_identical_and_the_exchange_is_counted(size):
         ok = True
         if comm is not None:
             steps = 2
-            _, model, exchange = run_steps(comm, ["--steps", str(steps), "--batch-size", "8"])
+            _, model, grads = run_steps(comm, ["--steps", str(steps), "--batch-size", "8"])
             grad_bytes = sum(p.numel() * 4 for p in model.parameters())
-            # one bucket (25 MB default) per step, then the reporting allreduces in finish()
-            ok = exchange.calls["allreduce"] == steps and exchange.bytes["allreduce"] == steps * grad_bytes
+            # one bucket (25 MB default) per step, nothing else on the gradients' communicator
+            ok = grads.calls == {"Iallreduce": steps} and grads.bytes == {"Iallreduce": steps * grad_bytes}
             ok = ok and len(set(comm.allgather(dp.checksum(model)))) == 1
         assert agree(ok)
 
@@ -207,5 +244,21 @@ def test_trace_is_chrome_trace_json_with_one_track_per_rank(tmp_path):
     assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"rank 0", "rank 1", "rank 2"}
     for rank in range(3):
         names = {e["name"] for e in spans if e["pid"] == rank}
-        assert {"forward", "backward", "optimizer", "allreduce start", "allreduce wait"} <= names
+        assert {"forward", "backward", "optimizer", "Iallreduce", "Iallreduce wait"} <= names
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    # Overlap, where it is claimed: each step, each rank starts a bucket's allreduce while its
+    # backward span is still open (three steps, so three backward spans per rank).
+    for rank in range(3):
+        backward = [e for e in spans if e["pid"] == rank and e["name"] == "backward"]
+        starts = [e["ts"] for e in spans if e["pid"] == rank and e["name"] == "Iallreduce"]
+        inside = [b for b in backward if any(b["ts"] <= t <= b["ts"] + b["dur"] for t in starts)]
+        assert len(backward) == 3 and len(inside) == 3, (rank, backward, starts)
+
+
+@pytest.mark.e2e
+def test_a_nudged_parameter_makes_the_check_fail():
+    """The launch-level negative control: every rank moves one weight by 10x the tolerance at
+    the last step; the check must say FAIL and the job exit 1."""
+    result = launch("data_parallel.py", 2, "--steps", "3", "--batch-size", "8",
+                    env=clean_env(FAIL_AT="*:2:nudge"))
+    assert result.returncode == 1 and "-> FAIL" in result.stdout, result.stdout + result.stderr

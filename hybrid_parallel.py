@@ -1,0 +1,1292 @@
+"""Hybrid parallelism over MPI: data, tensor and pipeline parallelism at once, on a 3-D grid of ranks.
+
+What is split: everything, as Megatron-LM splits its largest models (Narayanan et al. 2021). The
+D x T x P ranks of the world form a grid (--dp D --tp T --pp P):
+  tensor (T):   within a stage every weight matrix is split over T ranks: Megatron's f and g,
+                column- and row-parallel linears, the vocabulary-parallel embedding on the first
+                stage and the vocabulary-parallel cross-entropy on the last (Shoeybi et al. 2019);
+  pipeline (P): the blocks are cut into P stages, each replica's share of the batch into M
+                micro-batches (--micro-batches) that flow through the stages in the 1F1B order;
+  data (D):     D replicas of that pipeline each take B/D of the global batch of B sequences;
+                their gradients are averaged by a bucketed allreduce.
+
+  global rank = pp x (D x T) + dp x T + tp (Megatron's order: the tensor-parallel ranks are
+  consecutive, so that under a normal launch they share a node and its fast links; then data;
+  pipeline outermost). --dp 2 --tp 2 --pp 2 on 8 ranks, 4 blocks:
+
+                        stage 0 (pp 0)                          stage 1 (pp 1)
+                    embedding, blocks 0-1                blocks 2-3, norm, head, loss
+   replica 0    [ rank 0  |  rank 1 ]  == activations ==>  [ rank 4  |  rank 5 ]
+     (dp 0)        tp 0       tp 1     <== gradients ====     tp 0       tp 1
+                     |          |                              |          |
+                     gradient allreduce                        gradient allreduce
+                     |          |                              |          |
+   replica 1    [ rank 2  |  rank 3 ]  ==================>  [ rank 6  |  rank 7 ]
+     (dp 1)        tp 0       tp 1     <==================     tp 0       tp 1
+
+  [ a | b ]: a tensor-parallel group, allreduces inside every layer (0-1, 2-3, 4-5, 6-7);
+  ==>: point-to-point between the ranks of equal (dp, tp) (0-4, 1-5, 2-6, 3-7);
+  gradient allreduce: between the ranks of equal (pp, tp) (0-2, 1-3, 4-6, 5-7).
+
+Communication per step, summed over every rank of the grid (L blocks, B sequences of S characters,
+hidden size h, M micro-batches, float32 = 4 bytes; an axis of size 1 moves nothing):
+  tensor:   D x M x (4L + 5) allreduces (per micro-batch and replica: 2 per block forward (g) and
+            2 backward (f), the embedding's g, the head's f, 3 for the loss);
+            T x [(4L + 2) x 4BSh + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
+  pipeline: 2M(P - 1) x D x T messages, 2(P - 1) x T x 4BSh bytes, no collective: each of a stage's
+            T ranks sends its own copy of the activation to its peer in the next stage.
+  data:     one allreduce per bucket (--bucket-mb) in each of the P x T groups of equal (pp, tp);
+            D x 4W bytes, W the parameters of one replica: the model's, its vocabulary padded to a
+            multiple of T, plus (T - 1) x (Sh + 6Lh + 2h) held whole on every tensor-parallel rank
+            (LayerNorms, position embedding, row-parallel biases).
+  bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
+Tensor parallelism moves activations twice each way in every block, on the critical path; the
+pipeline one activation per micro-batch and stage boundary; data parallelism the gradients once
+per step, overlapped with the last backward.
+
+When to choose it: the model outgrows one node. Put the tensor axis inside a node (fast links),
+the pipeline across nodes (little traffic), data parallelism over the replicas the devices leave;
+more micro-batches shrink the bubble.
+
+The network: the GPT of tensor_parallel.py and pipeline_parallel.py, on the source of Python's own
+argparse.py, textwrap.py and shlex.py.
+
+Run:  mpirun -np 8 python hybrid_parallel.py --dp 2 --tp 2 --pp 2      (add --help for the flags)
+"""
+import argparse
+import collections
+import contextlib
+import ctypes
+import errno
+import functools
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+import traceback
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mpi4py import MPI
+
+STRATEGY = "hybrid_parallel"
+# Largest |difference| allowed against single-process training (float32). Row-parallel partial
+# sums, micro-batches and replicas reorder float32 sums: over 30 steps (5 blocks, hidden 32, M = 2)
+# every grid of 1, 2 and 4 ranks stayed within 4.8e-7 to 7.2e-7 in losses and parameters (1x4x1
+# the most), 2x2x2 on 8 ranks within 5.4e-7: the level of tensor_parallel.py and
+# pipeline_parallel.py, whose 2e-5 this keeps (a 10 x 2e-5 nudge of one weight must show).
+TOLERANCE = 2e-5
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
+SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
+VOCAB = 128  # the ASCII codes
+
+
+# -----------------------------------------------------------------------------
+# The grid: D x T x P ranks in Megatron's order, and one communicator per axis
+# -----------------------------------------------------------------------------
+def coordinates(rank, dp, tp):
+    """(dp, pp, tp) of a global rank: tp varies fastest, then dp, pp slowest."""
+    return (rank // tp) % dp, rank // (dp * tp), rank % tp
+
+
+def rank_at(d, p, t, dp, tp):
+    return p * dp * tp + d * tp + t
+
+
+def make_grid(comm, dp, tp, pp):
+    """A Cartesian communicator of dimensions (pp, dp, tp), in row-major order, so the last (tp)
+    varies fastest: Megatron's order. Sub() keeps one dimension: the ranks that differ only there.
+    Returns the tensor-, pipeline- and data-parallel communicators of this rank."""
+    cart = comm.Create_cart([pp, dp, tp], periods=[False] * 3, reorder=False)
+    p, d, t = cart.Get_coords(cart.Get_rank())
+    assert (d, p, t) == coordinates(comm.Get_rank(), dp, tp)
+    tp_comm = cart.Sub([False, False, True])  # equal (pp, dp): one stage of one replica
+    pp_comm = cart.Sub([True, False, False])  # equal (dp, tp): one pipeline, rank = stage
+    dp_comm = cart.Sub([False, True, False])  # equal (pp, tp): the replicas of one shard
+    cart.Free()
+    return tp_comm, pp_comm, dp_comm
+
+
+# -----------------------------------------------------------------------------
+# Tensor parallelism within a stage: f and g, Megatron's layers, on the tensor-parallel communicator
+# -----------------------------------------------------------------------------
+def allreduce(t, comm, op=MPI.SUM):
+    """A new tensor: t summed (or maxed) over comm; on one rank there is nothing to exchange."""
+    t = t.detach().clone(memory_format=torch.contiguous_format)
+    if comm.Get_size() > 1:
+        buffer = mpi_buffer(t)
+        comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
+        t = from_mpi(t, buffer)
+    return t
+
+
+# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
+# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+CUDA_AWARE = False
+
+
+def mpi_buffer(t, nonblocking=False):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
+    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
+
+
+def receive_buffer(t):
+    """Where a receive for t lands: t itself, or an empty pinned host buffer (nothing to copy in)."""
+    return t if not t.is_cuda or CUDA_AWARE else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
+def from_mpi(t, buffer):
+    """Bring what MPI wrote into a host copy back to t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
+
+
+class f(torch.autograd.Function):
+    """Identity forward, allreduce backward: before a column-parallel layer, whose input every
+    rank holds whole; each rank's backward sees only the gradient through its own columns."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return allreduce(dy, ctx.comm), None
+
+
+class g(torch.autograd.Function):
+    """Allreduce forward, identity backward: sums the partial products of a row-parallel layer."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return allreduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+def shard(t, dim, comm, groups=1, padded=None):
+    """This rank's slice of t along dim, as a parameter. groups=3: t is q, k, v side by side and
+    the rank keeps the same slice of each (its heads). padded: zero rows first, up to that size."""
+    t = t.detach()
+    if padded is not None and padded > t.size(dim):
+        t = torch.cat([t, t.new_zeros(t.shape[:dim] + (padded - t.size(dim),) + t.shape[dim + 1:])], dim)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    return nn.Parameter(torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone())
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = f(X) A_r + b_r: rank r's slice of the output features; X is whole on every rank."""
+
+    def __init__(self, full, comm, groups=1, padded=None):
+        super().__init__()
+        self.comm = comm
+        self.weight = shard(full.weight, 0, comm, groups, padded)
+        self.bias = None if full.bias is None else shard(full.bias, 0, comm, groups, padded)
+
+    def forward(self, x):
+        return F.linear(f.apply(x, self.comm), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = g(X_r B_r) + b: rank r holds the rows of B for its slice X_r of the input features;
+    the bias is whole on every rank and added once, after the sum."""
+
+    def __init__(self, full, comm):
+        super().__init__()
+        self.comm = comm
+        self.weight = shard(full.weight, 1, comm)
+        self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x):
+        return g.apply(F.linear(x, self.weight), self.comm) + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r owns the rows of a range of the vocabulary: it looks up the tokens in its range,
+    writes zeros for the others, and g sums: every token's row comes from exactly one rank."""
+
+    def __init__(self, full, comm, padded):
+        super().__init__()
+        self.comm = comm
+        self.weight = shard(full.weight, 0, comm, padded=padded)
+        self.start = comm.Get_rank() * self.weight.size(0)
+
+    def forward(self, idx):
+        outside = (idx < self.start) | (idx >= self.start + self.weight.size(0))
+        rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        return g.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over tokens from each rank's slice of the logits: three allreduces of
+    b x S numbers forward (max, the target's logit, the sum of exponentials), none backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm):
+        per = logits.size(-1)
+        start = comm.Get_rank() * per
+        padding = torch.arange(start, start + per, device=logits.device) >= VOCAB
+        logits = logits.masked_fill(padding, float("-inf"))  # padded columns take no probability
+        top = allreduce(logits.max(dim=-1).values, comm, op=MPI.MAX)
+        shifted = logits - top.unsqueeze(-1)  # exp() stays <= 1
+        owned = (target >= start) & (target < start + per)
+        local = (target - start).clamp(0, per - 1)
+        picked = allreduce(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0), comm)
+        exps = shifted.exp()
+        total = allreduce(exps.sum(dim=-1), comm)
+        ctx.save_for_backward(exps / total.unsqueeze(-1), local, owned)
+        return (total.log() - picked).mean()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, local, owned = ctx.saved_tensors  # d loss / d logit = softmax - one-hot(target)
+        grad = softmax.scatter_add(-1, local.unsqueeze(-1), -owned.unsqueeze(-1).to(softmax.dtype))
+        return grad * (dloss / owned.numel()), None, None
+
+
+def padded_vocab(tp):
+    return -(-VOCAB // tp) * tp
+
+
+def shard_block(block, comm):
+    """Megatron's block, in place: attention f -> qkv columns (this rank's heads) -> proj rows -> g,
+    MLP f -> fc1 columns -> GELU -> fc2 rows -> g. Block.forward is unchanged."""
+    block.qkv = ColumnParallelLinear(block.qkv, comm, groups=3)
+    block.proj = RowParallelLinear(block.proj, comm)
+    block.heads //= comm.Get_size()
+    block.fc1 = ColumnParallelLinear(block.fc1, comm)
+    block.fc2 = RowParallelLinear(block.fc2, comm)
+    return block
+
+
+class Stage(nn.Module):
+    """Blocks [lo, hi) of the full model, with the embedding on the first stage and the final
+    norm and head on the last, every matrix sharded over the tensor-parallel communicator."""
+
+    def __init__(self, model, lo, hi, first, last, comm):
+        super().__init__()
+        self.first, self.last, self.hidden = first, last, model.norm.normalized_shape[0]
+        padded = padded_vocab(comm.Get_size())
+        if first:
+            self.tokens, self.positions = VocabParallelEmbedding(model.tokens, comm, padded), model.positions
+        self.blocks = nn.ModuleList(shard_block(b, comm) for b in model.blocks[lo:hi])
+        if last:
+            self.norm, self.out = model.norm, ColumnParallelLinear(model.out, comm, padded=padded)
+
+    def forward(self, x):
+        if self.first:
+            x = self.tokens(x) + self.positions(torch.arange(x.size(1), device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x)) if self.last else x
+
+
+def layer_split(layers, pp):
+    """Blocks [lo, hi) of each stage, as even as can be; the extra blocks go to the first stages
+    (the last also runs the head and the loss)."""
+    sizes = [layers // pp + (s < layers % pp) for s in range(pp)]
+    return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
+
+
+# -----------------------------------------------------------------------------
+# Pipeline parallelism across stages: 1F1B as per-rank lists of actions, proven on paper
+# -----------------------------------------------------------------------------
+Action = collections.namedtuple("Action", "op mb")  # forward, backward, send_/recv_ act/grad, reduce
+
+
+class ScheduleError(Exception):
+    """A schedule that would deadlock, lose a message or use an input before it exists."""
+
+
+def one_f_one_b(pp, m, stage):
+    """1F1B (PipeDream-Flush): pp-1-stage warm-up forwards, then one forward one backward, then the
+    remaining backwards; last, the data-parallel gradient allreduce ('reduce')."""
+    def forward(i):
+        return [Action("recv_act", i)] * (stage > 0) + [Action("forward", i)] + \
+            [Action("send_act", i)] * (stage < pp - 1)
+
+    def backward(i):
+        return [Action("recv_grad", i)] * (stage < pp - 1) + [Action("backward", i)] + \
+            [Action("send_grad", i)] * (stage > 0)
+
+    warmup = min(pp - 1 - stage, m)
+    actions = [a for i in range(warmup) for a in forward(i)]
+    for i in range(m - warmup):
+        actions += forward(warmup + i) + backward(i)
+    return actions + [a for i in range(m - warmup, m) for a in backward(i)] + [Action("reduce", m - 1)]
+
+
+def dry_run(lists, dp, tp, m):
+    """Execute the lists of every rank of the grid on paper, one slot per forward or backward.
+    A send never blocks (Isend); a receive waits for the send of the rank of equal (dp, tp) one
+    stage away. A forward or backward holds the tensor-parallel allreduces, so the T ranks of a
+    group run it together, and 'reduce' the D ranks of equal (pp, tp): a group waits until every
+    member is at the same action. Raises ScheduleError unless every rank runs each micro-batch's
+    forward and backward once, after its inputs exist, and every message is received. Returns per
+    rank the ideal timeline [(label, start, end)] and the peak count of micro-batches held."""
+    n = len(lists)
+    pp = n // (dp * tp)
+    pc, clock, sent = [0] * n, [0] * n, {}  # sent: (src, dst, kind, mb) -> slot it was sent at
+    have = [set() for _ in range(n)]  # (act|grad, mb) received, (forward|backward, mb) computed
+    spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
+
+    def neighbour(r, step):  # the rank of equal (dp, tp) `step` stages away, if any
+        d, p, t = coordinates(r, dp, tp)
+        return rank_at(d, p + step, t, dp, tp) if 0 <= p + step < pp else None
+
+    def group(r, op):  # who runs op together: the tensor-parallel group, or the data-parallel one
+        d, p, t = coordinates(r, dp, tp)
+        return [rank_at(e, p, t, dp, tp) for e in range(dp)] if op == "reduce" else \
+            [rank_at(d, p, u, dp, tp) for u in range(tp)]
+
+    def compute(r, op, i):
+        needs = {"forward": [("act", i)] * (neighbour(r, -1) is not None),
+                 "backward": [("forward", i)] + [("grad", i)] * (neighbour(r, 1) is not None),
+                 "reduce": [("backward", j) for j in range(m)]}[op]
+        if (op, i) in have[r] or not 0 <= i < m or not all(x in have[r] for x in needs):
+            raise ScheduleError(f"rank {r}: {op} {i} twice, out of range, or before {needs}")
+        have[r].add((op, i))
+        if op != "reduce":
+            spans[r].append((f"{op[0].upper()}{i}", clock[r], clock[r] + 1))
+            clock[r], held[r] = clock[r] + 1, held[r] + (1 if op == "forward" else -1)
+            peak[r] = max(peak[r], held[r])
+
+    moved = True
+    while moved:
+        moved = False
+        for r in range(n):
+            while pc[r] < len(lists[r]):
+                op, i = lists[r][pc[r]]
+                kind = op.split("_")[-1]
+                if op.startswith("recv_"):
+                    key = (neighbour(r, -1 if kind == "act" else 1), r, kind, i)
+                    if key not in sent:
+                        break  # blocked until the peer sends
+                    clock[r] = max(clock[r], sent.pop(key))
+                    have[r].add((kind, i))
+                elif op.startswith("send_"):
+                    dst, needs = (neighbour(r, 1), "forward") if kind == "act" else (neighbour(r, -1), "backward")
+                    if (needs, i) not in have[r] or dst is None or (r, dst, kind, i) in sent:
+                        raise ScheduleError(f"rank {r}: {op} {i} before its {needs}, to no rank, or twice")
+                    sent[(r, dst, kind, i)] = clock[r]
+                elif op in ("forward", "backward", "reduce"):
+                    members = group(r, op)
+                    if any(pc[q] >= len(lists[q]) or lists[q][pc[q]] != (op, i) for q in members):
+                        break  # a collective: waits until the whole group is here
+                    start = max(clock[q] for q in members)
+                    for q in members:
+                        clock[q] = start
+                        compute(q, op, i)
+                        pc[q] += 1 if q != r else 0
+                else:
+                    raise ScheduleError(f"rank {r}: unknown action {op!r}")
+                pc[r] += 1
+                moved = True
+    stuck = [f"rank {r} at {lists[r][pc[r]]}" for r in range(n) if pc[r] < len(lists[r])]
+    if stuck:
+        raise ScheduleError(f"deadlock: {', '.join(stuck)} wait for messages or peers that never come")
+    if sent:
+        raise ScheduleError(f"messages never received (src, dst, kind, micro-batch): {sorted(sent)}")
+    for r in range(n):  # each ran at most once and in range: 2M of them means all of them
+        if len(spans[r]) != 2 * m or ("reduce", m - 1) not in have[r]:
+            raise ScheduleError(f"rank {r} does not run all {m} micro-batches and the reduce")
+    return spans, peak
+
+
+def tag(op, mb):
+    """A message's tag: its micro-batch and direction, so that no two in flight share one."""
+    return 2 * mb + op.endswith("grad")
+
+
+# -----------------------------------------------------------------------------
+# Data parallelism across replicas: the bucketed gradient allreduce on the data-parallel communicator
+# -----------------------------------------------------------------------------
+class GradBuckets:
+    """PyTorch DDP's reducer in miniature. Buckets follow reverse registration order, the order in
+    which backward produces gradients. During the step's last backward (after it, a gradient holds
+    all M micro-batches), a post-accumulate-grad hook counts a bucket's gradients and starts its
+    non-blocking allreduce the moment the last one is in; finish() waits and divides by D."""
+
+    def __init__(self, params, comm, bucket_bytes):
+        self.comm, self.buckets, size = comm, [[]], 0
+        for p in reversed(list(params)):
+            if size >= bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
+        if comm.Get_size() > 1:
+            for p in self.bucket_of:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def start(self):
+        """Before the last backward of the step: exchange each bucket when it is complete."""
+        self.exchanging, self.ready, self.pending = True, [0] * len(self.buckets), []
+
+    def _grad_ready(self, p):
+        if not self.exchanging:  # an earlier micro-batch: gradients just add up
+            return
+        i = self.bucket_of[p]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+            buffer = mpi_buffer(flat, nonblocking=True)
+            self.pending.append((i, flat, buffer, self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)))
+        for *_, request in self.pending:
+            request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
+
+    def finish(self):
+        """Wait for every bucket; leave the gradients averaged over the D replicas in .grad."""
+        self.exchanging = False
+        if self.comm.Get_size() == 1:
+            return
+        assert len(self.pending) == len(self.buckets), "a gradient never arrived"
+        for i, flat, buffer, request in self.pending:
+            request.Wait()
+            flat = from_mpi(flat, buffer) / self.comm.Get_size()
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+# -----------------------------------------------------------------------------
+# The hybrid training step: this rank's list of actions, executed
+# -----------------------------------------------------------------------------
+def train_step(stage, optimizer, buckets, actions, x, y, m, tp_comm, pp_comm, timeline):
+    """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches.
+    Returns on the last stage the replica's loss (the micro-batches' losses, each divided by M,
+    summed), elsewhere 0."""
+    s, last_stage = pp_comm.Get_rank(), pp_comm.Get_size() - 1
+    xs, ys = x.chunk(m), y.chunk(m)
+    shape = (xs[0].size(0), xs[0].size(1), stage.hidden)  # an activation, or its gradient
+    inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
+    last_backward = max(k for k, a in enumerate(actions) if a.op == "backward")
+    optimizer.zero_grad(set_to_none=False)
+
+    def post(a):  # a receive from the previous stage (activations) or the next (gradients)
+        t = torch.empty(shape, device=x.device)
+        buffer = receive_buffer(t)
+        source = s - 1 if a.op == "recv_act" else s + 1
+        recvs[a] = (pp_comm.Irecv(buffer, source=source, tag=tag(a.op, a.mb)), t, buffer)
+
+    for k, a in enumerate(actions):
+        if a.op in ("forward", "backward"):  # post the next receive, to land while we compute
+            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_")), None)
+            if upcoming is not None and upcoming not in recvs:
+                post(upcoming)
+        if a.op.startswith("recv_"):
+            if a not in recvs:
+                post(a)
+            request, t, buffer = recvs.pop(a)
+            request.Wait()  # idle until the peer's message is in
+            received[a] = from_mpi(t, buffer)
+        elif a.op == "forward":
+            with timeline.span("compute", f"F{a.mb}"):
+                inp = xs[a.mb] if s == 0 else received.pop(Action("recv_act", a.mb)).requires_grad_()
+                out = stage(inp)
+                if s == last_stage:  # divided by M: the summed gradients are the whole share's
+                    out = VocabParallelCrossEntropy.apply(out, ys[a.mb], tp_comm) / m
+                    total += out.item()
+            inputs[a.mb], outputs[a.mb] = inp, out
+        elif a.op == "backward":
+            if k == last_backward:
+                buckets.start()  # from now on, a complete bucket starts its allreduce
+            with timeline.span("compute", f"B{a.mb}"):
+                outputs.pop(a.mb).backward(None if s == last_stage else received.pop(Action("recv_grad", a.mb)))
+            grads[a.mb] = inputs.pop(a.mb).grad
+        elif a.op.startswith("send_"):  # the activation to the next stage, or the gradient back
+            forward = a.op == "send_act"
+            buffer = mpi_buffer(outputs[a.mb].detach() if forward else grads.pop(a.mb).contiguous())
+            sends.append((pp_comm.Isend(buffer, dest=s + 1 if forward else s - 1, tag=tag(a.op, a.mb)), buffer))
+        elif a.op == "reduce":
+            buckets.finish()
+    for request, _ in sends:
+        request.Wait()
+    with timeline.span("compute", "optimizer"):
+        optimizer.step()
+    return total
+
+
+# -----------------------------------------------------------------------------
+# Model: a GPT-2 style character-level language model, plain (what one process trains)
+# -----------------------------------------------------------------------------
+def attend(qkv, heads):
+    """Causal self-attention of `heads` heads, from queries, keys and values side by side."""
+    b, t, c = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+    q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
+    future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return (weights @ v).transpose(1, 2).reshape(b, t, c)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
+    weights, so float32 rounding differences between grids stay at rounding level."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden)  # q, k, v side by side
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, --layers blocks, final LayerNorm, untied head."""
+
+    def __init__(self, layers, hidden, heads, seq_len):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x))
+
+
+def build_model(args):
+    """The full model from the seed, on the CPU: the same network on every grid (GPT-2's init)."""
+    torch.manual_seed(args.seed)
+    model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
+    for mod in model.modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(mod.weight, std=0.02)
+        if isinstance(mod, nn.Linear) and mod.bias is not None:
+            nn.init.zeros_(mod.bias)
+    return model
+
+
+def build_stage(args, tp_comm, pp_comm, device, model=None):
+    """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone."""
+    s, pp = pp_comm.Get_rank(), pp_comm.Get_size()
+    lo, hi = layer_split(args.layers, pp)[s]
+    return Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, tp_comm).to(device)
+
+
+# -----------------------------------------------------------------------------
+# Data: characters of Python's own source, batches a function of (seed, step)
+# -----------------------------------------------------------------------------
+@functools.cache
+def load_text():
+    """argparse.py, textwrap.py and shlex.py of this Python, every byte >= 128 made '?'."""
+    raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
+    return torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long)
+
+
+def make_batch(seed, step, size, seq_len):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+    data = load_text()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
+    x = torch.stack([data[o:o + seq_len] for o in starts])
+    y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    return x, y
+
+
+def share_of(x, y, replica, replicas):
+    """Replica `replica`'s B/D consecutive sequences of the global batch."""
+    n = x.size(0) // replicas
+    return x[replica * n:(replica + 1) * n], y[replica * n:(replica + 1) * n]
+
+
+# -----------------------------------------------------------------------------
+# The run
+# -----------------------------------------------------------------------------
+def train(args, comm, counted, device, stage, optimizer, buckets, timeline, past=()):
+    """The steps after the `past` ones (their losses, from a checkpoint). Returns the global
+    batch's losses of all steps, on every rank, and this rank's timings of the new ones."""
+    tp_comm, pp_comm, dp_comm = counted["tensor"], counted["pipeline"], counted["data"]
+    actions = one_f_one_b(pp_comm.Get_size(), args.micro_batches, pp_comm.Get_rank())
+    reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
+    losses, records = [], []
+    for step in range(len(past), args.steps):
+        inject_failure(comm, step, model=stage)
+        start = time.perf_counter()
+        x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len),
+                        dp_comm.Get_rank(), dp_comm.Get_size())
+        losses.append(train_step(stage, optimizer, buckets, actions, x.to(device), y.to(device),
+                                 args.micro_batches, tp_comm, pp_comm, timeline))
+        records.append(timeline.step_record(start))
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, args.dp)[0], records[-1])
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            so_far = list(past) + global_losses(comm, losses, reports, args.dp)
+            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(), "losses": so_far}
+            save_checkpoint(comm, args.save, step + 1, shard, shard_config(args))
+    return list(past) + global_losses(comm, losses, reports, args.dp), records
+
+
+def global_losses(comm, losses, reports, dp):
+    """The global batch's losses: the mean of the replicas', which only their last stage knows
+    (`reports`: one rank of it). Reporting only: on the plain communicator, not counted."""
+    total = torch.tensor(losses if reports else [0.0] * len(losses), dtype=torch.float64)
+    comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+    return (total / dp).tolist()
+
+
+def shard_config(args):
+    """What a checkpoint's shards belong to: the grid that cut them, and the model."""
+    return {"grid": {"dp": args.dp, "tp": args.tp, "pp": args.pp}, "model": "GPT", "layers": args.layers,
+            "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
+
+
+def main(argv=None, comm=MPI.COMM_WORLD):
+    """Parse, set up, train, check, report. Returns the exit status of this rank."""
+    try:
+        args = parse_args(argv, comm.Get_size())
+        check_paths(comm, args)
+        run = setup(comm, args)
+        # Every rank writes the lists of all ranks and proves them on paper: all reach one verdict.
+        lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.tp)[1])
+                 for r in range(comm.Get_size())]
+        ideal, _ = dry_run(lists, args.dp, args.tp, args.micro_batches)
+        axes = make_grid(comm, args.dp, args.tp, args.pp)
+        counted = {axis: CountedComm(c, run.timeline) for axis, c in zip(("tensor", "pipeline", "data"), axes)}
+        stage = build_stage(args, counted["tensor"], counted["pipeline"], run.device)
+        optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+        buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+        past, resumed = [], None
+        if args.resume:
+            resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
+                                             lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
+            past = restore(stage, optimizer, shard)
+        print_header(comm, args, run, stage, buckets, resumed)
+        losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets, run.timeline, past)
+    except ConfigError as e:
+        print0(comm, f"error: {e}", file=sys.stderr)
+        return e.status
+    diff = check(comm, args, run.device, losses, stage, counted) if args.check else None
+    if args.trace:
+        write_trace(comm, run.timeline, args.trace)
+    return report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff)
+
+
+# =============================================================================
+# You may stop reading here: the strategy is all above. Below is the machinery that every
+# strategy file repeats in the same order and the same words: the check against single-process
+# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# =============================================================================
+
+# --- Check against single-process training -----------------------------------
+def reference_training(args, device):
+    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear
+    and F.cross_entropy, no MPI."""
+    model = build_model(args).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    losses = []
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+def check(comm, args, device, losses, stage, counted):
+    """Rank 0 trains the reference (the whole model fits where it runs) and broadcasts it; each
+    rank cuts it as its own stage was cut and compares; every rank gets the largest difference."""
+    reference, ref_losses = build_model(args), None
+    flat = nn.utils.parameters_to_vector(reference.parameters()).detach()
+    if comm.Get_rank() == 0:
+        ref_losses, trained = reference_training(args, device)
+        flat = nn.utils.parameters_to_vector(trained.parameters()).detach().cpu()
+    request = comm.Ibcast(flat, root=0)
+    while not request.Test():
+        time.sleep(POLL_S)  # the waiting ranks leave the cores to rank 0
+    nn.utils.vector_to_parameters(flat, reference.parameters())
+    ref_stage = build_stage(args, counted["tensor"], counted["pipeline"], device, reference)
+    diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), ref_stage)
+    return comm.allreduce(diff, op=MPI.MAX)
+
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's."""
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    ref_state = ref_model.state_dict()
+    for name, t in state.items():
+        diff = max(diff, (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item())
+    return diff
+
+# --- Report: header, progress, summary, --json, --trace ----------------------
+def print_header(comm, args, run, stage, buckets, resumed):
+    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    per_rank = comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
+    where = " ".join(f"{r}:{coordinates(r, D, T)}" for r in range(comm.Get_size()))
+    stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
+                        * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
+    if resumed:
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
+                     f"(written by {resumed['world_size']} ranks)")
+    print0(comm, *run.header,
+           f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
+           f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
+           f"grid: dp {D} x tp {T} x pp {P} | rank: (dp, pp, tp) {where}",
+           f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
+           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows",
+           f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
+           f"sequences of {args.seq_len} characters | schedule 1f1b, dry run of every rank's actions on the "
+           f"grid: each send meets its receive, each group meets in its collectives, no deadlock",
+           f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: "
+           f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB")
+
+def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
+    """The summary, the check's verdict and --json; returns the exit status."""
+    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    grid, steps_run = {"dp": D, "tp": T, "pp": P}, max(1, len(records))
+    measured = per_axis(comm, counted, steps_run)
+    formula = formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
+                       comm.allgather(len(buckets.buckets)))
+    slowest = step_summary(comm, records)
+    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
+    theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
+    pipeline = [ideal[rank_at(0, p, 0, D, T)] for p in range(P)]
+    slots = max(e for row in pipeline for _, _, e in row)
+    text = {"tensor": ("allreduces D x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
+            "pipeline": ("messages 2M(P - 1) x D x T", "2(P - 1) x T x 4BSh"),
+            "data": ("allreduces: one per bucket per (pp, tp) group", "D x 4W")}
+    print0(comm, "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
+           *draw_timeline(pipeline, slots, len(f"B{M - 1}") + 1),
+           f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
+           f"{math.log(VOCAB):.4f})", summary_line(slowest),
+           f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
+           f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
+           "communication per step, summed over the grid, measured | formula:",
+           *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
+             f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
+             for axis, k in (("tensor", 0), ("pipeline", 1), ("data", 0))))
+    ok = verdict(comm, diff, "losses, parameters")
+    if args.json:
+        print0(comm, json.dumps({
+            **house_keys(comm, args, run, losses, slowest, diff),
+            "comm_bytes_per_step": sum(m[2] for m in measured.values()),
+            "collectives_per_step": sum(m[0] for m in measured.values()),
+            "grid": grid, "micro_batches": M, "layer_split": layer_split(args.layers, P),
+            "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
+            "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
+            "messages_per_step": measured["pipeline"][1],
+            "formula_by_axis": {a: dict(zip(("collectives", "messages", "bytes"), v)) for a, v in formula.items()},
+            "bubble_fraction": bubble, "bubble_fraction_theory": theory,
+            "bubble_fraction_dry_run": 1 - 2 * M / slots}))
+    return 0 if ok else 1
+
+def per_axis(comm, counted, steps_run):
+    """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
+    counted once per group: its calls summed over the ranks, divided by the group's size."""
+    out = {}
+    for axis, c in counted.items():
+        calls = comm.allreduce(c.calls["Allreduce"] + c.calls["Iallreduce"]) / c.Get_size()
+        volume = comm.allreduce(c.bytes["Allreduce"] + c.bytes["Iallreduce"] + c.bytes["Isend"])
+        out[axis] = (calls / steps_run, comm.allreduce(c.calls["Isend"]) / steps_run, volume / steps_run)
+    return out
+
+def formulas(args, stage_params, stage_buckets):
+    """The docstring's formulas by axis: (collectives, messages, bytes) per step over the grid.
+    stage_params, stage_buckets: every rank's count of parameters and of gradient buckets."""
+    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
+    activation, replicated = 4 * B * S * h, S * h + 6 * L * h + 2 * h
+    W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
+    assert sum(stage_params) == D * W  # what the ranks hold, added up
+    return {"tensor": (D * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1)),
+            "pipeline": (0, 2 * M * (P - 1) * D * T, 2 * (P - 1) * T * activation),
+            "data": (sum(stage_buckets) // D * (D > 1), 0, D * 4 * W * (D > 1))}
+
+def draw_timeline(rows, slots, width):
+    """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
+    lines = []
+    for s, spans in enumerate(rows):
+        cells = ["."] * slots
+        for name, start, _ in spans:
+            cells[start] = name
+        lines.append(f"stage {s} | " + "".join(c.ljust(width) for c in cells).rstrip())
+    return lines
+
+def print_progress(comm, args, step, loss, record):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
+                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+
+def summary_line(slowest):
+    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
+
+def verdict(comm, diff, compared):
+    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+    ok = diff is None or diff <= TOLERANCE
+    if diff is not None:
+        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
+                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+def house_keys(comm, args, run, losses, slowest, diff):
+    """The JSON keys every strategy file reports."""
+    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
+            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
+
+def step_summary(comm, records):
+    """Medians over steps after the first, of the slowest rank (by median step time)."""
+    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
+               for rank_records in comm.allgather(records)]
+    return max(medians, key=lambda m: m["step_s"])
+
+def write_trace(comm, timeline, path):
+    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
+    events = comm.gather(timeline.events, root=0)
+    if comm.Get_rank() == 0:
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
+        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
+                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
+        with open(path, "w") as out:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
+
+def print0(comm, *lines, file=sys.stdout):
+    if comm.Get_rank() == 0:  # rank 0 alone prints
+        print(*lines, sep="\n", file=file, flush=True)
+
+# --- Checkpoints: a folder appears whole or not at all ------------------------
+def checkpoints(root):
+    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
+    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
+    return [os.path.join(root, n) for n in names]
+
+def sha256(path):
+    with open(path, "rb") as stream:
+        return hashlib.sha256(stream.read()).hexdigest()
+
+def write_durably(path, data):
+    with open(path, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+def save_checkpoint(comm, root, step, shard, config, keep=2):
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
+    manifest and renames the folder to step-N: a job killed before the rename leaves the
+    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
+    every rank with one line, the previous checkpoint whole."""
+    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    files, error = {}, None
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    comm.Barrier()
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        inject_failure(comm, step, "save")
+        if shard is not None:
+            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
+            torch.save(shard, stream)
+            write_durably(os.path.join(tmp, name), stream.getvalue())
+            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+    except OSError as e:
+        error = f"rank {comm.Get_rank()}: {e}"
+    gathered = comm.gather((files, error), root=0)
+    if comm.Get_rank() == 0:
+        error = next((e for _, e in gathered if e), None)
+        try:
+            if error is None:
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # atomic: the checkpoint is now complete
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)  # make the rename itself durable
+                os.close(fd)
+                for old in checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (checkpoints(root) or ["none"])[-1]
+        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
+                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
+
+def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
+    Any problem on any rank is a ConfigError on every rank."""
+    error = manifest = shard = None
+    try:
+        found = checkpoints(root)
+        if not found:
+            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
+                              f"start without --resume to create one")
+        path = found[-1]
+        with open(os.path.join(path, "manifest.json")) as stream:
+            manifest = json.load(stream)
+        if manifest["strategy"] != STRATEGY:
+            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if manifest["step"] >= steps:
+            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
+                              f"train; ask for more steps to continue")
+        if same_world_size and manifest["world_size"] != comm.Get_size():
+            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
+                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
+        if manifest["config"] != config:
+            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
+        name = shard_name(manifest)
+        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
+        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except ConfigError as e:
+        error = str(e)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return manifest, shard
+
+def restore(stage, optimizer, shard):
+    """Load this rank's shard (the same grid wrote it); returns the losses so far."""
+    stage.load_state_dict(shard["model"])
+    optimizer.load_state_dict(shard["optimizer"])
+    return shard["losses"]
+
+# --- Counters and timeline: measured around the strategy's own MPI calls -----
+class Timeline:
+    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
+    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
+    (step_record), so that timing never stalls the device in the middle of a step."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
+        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, mark):
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
+
+    @contextlib.contextmanager
+    def span(self, cat, name):
+        start, children = self._mark(), []
+        self.open.append(children)
+        try:
+            yield
+        finally:
+            self.open.pop()
+            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
+
+    def step_record(self, start):
+        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
+        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once a step: every event of the step has happened
+        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+
+        def own_time(name, cat, start_mark, end_mark, children):
+            begin, end = self._seconds(start_mark), self._seconds(end_mark)
+            self.events.append((name, cat, begin, end))
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            return end - begin
+
+        for span in self.closed:
+            own_time(*span)
+        self.closed = []
+        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
+        return record
+
+class CountedComm:
+    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
+    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
+    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
+    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+
+    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
+               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
+
+    def __init__(self, comm, timeline):
+        self.comm, self.timeline = comm, timeline
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def reset(self):
+        self.calls.clear(), self.bytes.clear()
+
+    def __getattr__(self, name):
+        call = getattr(self.comm, name)
+        if name not in self.COUNTED:
+            return call
+
+        def counted(*args, **kwargs):
+            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
+            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+            self.calls[name] += 1
+            self.bytes[name] += buffer.numel() * buffer.element_size()
+            with self.timeline.span("comm", name):
+                result = call(*args, **kwargs)
+            if not isinstance(result, MPI.Request):
+                return result
+            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
+        return counted
+
+class CountedRequest:
+    def __init__(self, request, timeline, cat, name):
+        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
+
+    def Test(self):
+        return self.request.Test()
+
+    def Wait(self):
+        with self.timeline.span(self.cat, self.name + " wait"):
+            while not self.request.Test():
+                time.sleep(POLL_S)
+
+# --- Device and MPI setup -----------------------------------------------------
+def setup(comm, args):
+    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    global CUDA_AWARE
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    if args.device == "cuda" or (args.device == "auto" and gpus):
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+        check_thread_level(MPI.Query_thread())
+        CUDA_AWARE = mpi_cuda_aware(comm)
+        if args.check:  # float32 against float32: no TF32 in the run or in the reference
+            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
+    else:
+        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
+        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
+        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+    comm.Barrier()  # the timeline's zero, about the same moment on every rank
+    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
+
+def mpi_cuda_aware(comm):
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
+    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        kinds = None
+    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    forced = os.environ.get("MPI_CUDA_AWARE")
+    if forced == "1" and says is False:
+        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
+                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
+                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
+    return forced == "1" if forced in ("0", "1") else bool(says)
+
+def cuda_in_kinds(kinds):
+    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
+    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
+    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
+
+def mpix_query_cuda_support():
+    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
+    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
+    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    return None
+
+def check_thread_level(provided):
+    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
+    if provided < MPI.THREAD_SERIALIZED:
+        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
+                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
+                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
+
+def mpi_library():
+    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
+    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
+    return text.strip().splitlines()[0].strip()
+
+def inject_failure(comm, step, during="step", model=None):
+    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
+    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
+    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
+    spec = os.environ.get("FAIL_AT", "")
+    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
+    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
+        return
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "oserror":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
+    if how != "nudge":
+        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
+
+# --- Arguments, and the paths a run will write, checked before anything is built
+class ConfigError(Exception):
+    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
+    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
+
+    def __init__(self, message, status=2):
+        super().__init__(message)
+        self.status = status
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage on every rank."""
+
+    def error(self, message):
+        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
+                          else message)
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+def checked(kind, ok, must):
+    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
+        return value
+    return parse
+
+COUNT = checked(int, lambda v: v > 0, "a positive integer")
+COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
+AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+
+def common_arguments(description, steps, batch_size, lr, log_every):
+    p = Parser(description=description)
+    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
+    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with single-process training (default: on)")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
+    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    return p
+
+def check_common(args):
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return args
+
+def parse_args(argv, world_size):
+    p = common_arguments("Hybrid (data x tensor x pipeline) parallelism over MPI: a small GPT on Python's "
+                         "own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (tp x pp))")
+    p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--pp", type=COUNT, default=1, help="pipeline stages")
+    p.add_argument("--micro-batches", type=COUNT, default=4, help="micro-batches per replica's share")
+    p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
+    args = check_common(p.parse_args(argv))
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
+                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
+    if args.seq_len > len(load_text()) - 2:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
+    D, T, P = args.dp or max(1, world_size // (args.tp * args.pp)), args.tp, args.pp
+    if D * T * P != world_size or args.heads % T or args.layers < P:
+        works = [f"--dp {d} --tp {t} --pp {world_size // (d * t)}" for d in range(1, world_size + 1)
+                 for t in range(1, world_size + 1) if world_size % (d * t) == 0
+                 and args.heads % t == 0 and world_size // (d * t) <= args.layers]
+        why = (f"--dp {D} --tp {T} --pp {P} make {D * T * P} ranks, this job has {world_size}" if D * T * P != world_size
+               else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
+               else f"--pp {P} stages need at least {P} --layers, got {args.layers}")
+        raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} "
+                          f"--layers {args.layers}: {'; '.join(works) or 'none'}")
+    args.dp = D
+    if args.batch_size % (D * args.micro_batches):
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x "
+                          f"{args.micro_batches} micro-batches; use a multiple of {D * args.micro_batches}")
+    return args
+
+def check_paths(comm, args):
+    """Before anything is built, each rank tries what it will write: --save, a folder (made if
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    rank, error = comm.Get_rank(), None
+    try:
+        if args.save:
+            if os.path.exists(args.save) and not os.path.isdir(args.save):
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", args.save)
+            os.makedirs(args.save, exist_ok=True)
+            write_durably(os.path.join(args.save, f".probe-{rank}"), b"")
+        if args.trace and rank == 0:
+            open(args.trace, "a").close()
+    except OSError as e:
+        error = f"cannot write {e.filename}: {e.strerror}"
+    comm.Barrier()
+    if args.save and error is None:  # a folder on a node-local disk hides the other nodes' probes
+        unseen = [r for r in range(comm.Get_size()) if not os.path.exists(os.path.join(args.save, f".probe-{r}"))]
+        error = unseen and (f"--save {args.save}: rank {rank} does not see the files of rank(s) "
+                            f"{', '.join(map(str, unseen))}; checkpoints need a folder every rank shares")
+    errors = [e for e in comm.allgather(error) if e]
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(os.path.join(args.save, f".probe-{rank}"))
+    if errors:
+        raise ConfigError(errors[0])
+
+def abort_on_exception(kind, value, tb):
+    """An exception on one rank must end the whole job, not leave the others in a collective."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    text = "".join(traceback.format_exception(kind, value, tb))
+    print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+if __name__ == "__main__":
+    sys.excepthook = abort_on_exception
+    sys.exit(main())
