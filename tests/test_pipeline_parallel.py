@@ -280,7 +280,7 @@ def test_each_rank_holds_its_stage_not_the_whole_model():
     (["--layers", "3"], 4, "--layers 4 or more"),
     (["--batch-size", "12", "--micro-batches", "5"], 2, "--micro-batches 1, 2, 3, 4, 6, 12"),
     (["--schedule", "zb-h2"], 2, "choose from '1f1b', 'gpipe', 'interleaved', 'zb-h1', 'zbv'"),
-    (["--schedule", "interleaved", "--micro-batches", "6"], 4, "use --micro-batches 4, 8, 16, not 6"),
+    (["--schedule", "interleaved", "--batch-size", "24", "--micro-batches", "6"], 4, "use --micro-batches 4, 8, 12, 24, not 6"),
     (["--virtual-stages", "2"], 2, "with --schedule interleaved only"),
     (["--hidden", "30", "--heads", "4"], 1, "multiple of 4"),
     (["--seq-len", "1000000"], 1, "use at most"),
