@@ -156,7 +156,7 @@ def train_pipeline(args, comm):
     # two threads each on a busy 2-core machine make small kernels crawl.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
     timeline = pp.Timeline(device)
-    exchange = pp.Exchange(comm, timeline, False)
+    counted = pp.CountedComm(comm, timeline)
     v = args.virtual_stages
     ranks = [pp.stage_rank(args.schedule, n, s) for s in range(n * v)]
     actions = pp.SCHEDULES[args.schedule](n, args.micro_batches, rank, v)
@@ -165,7 +165,7 @@ def train_pipeline(args, comm):
     meter = pp.ActivationMeter(stage)
     losses = [pp.train_step(stage, optimizer, actions, ranks,
                             *pp.make_batch(args.seed, step, args.batch_size, args.seq_len),
-                            args.micro_batches, exchange, meter, timeline)
+                            args.micro_batches, counted, meter, timeline)
               for step in range(args.steps)]
     return comm.bcast(losses, root=ranks[-1]), stage, meter, ranks
 
@@ -243,7 +243,7 @@ def test_launches_agree_across_world_sizes_schedules_and_micro_batches(tmp_path)
         assert max(abs(a - b) for a, b in zip(result["losses"], first)) <= pp.TOLERANCE, key
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in trace} == {0, 1, 2, 3}
-    assert {"F0", "B1", "optimizer", "send", "recv", "wait recv"} <= {e["name"] for e in trace}
+    assert {"F0", "B1", "optimizer", "Isend", "Irecv", "Irecv wait"} <= {e["name"] for e in trace}
 
 
 @pytest.mark.e2e
@@ -289,3 +289,11 @@ def test_each_rank_holds_its_stage_not_the_whole_model():
 def test_bad_configuration_exits_2_with_one_line_that_names_what_works(argv, world, says):
     out = launch("pipeline_parallel.py", world, *argv, timeout=60)
     assert_refused(out, says)
+
+
+@pytest.mark.e2e
+def test_a_nudged_parameter_fails_the_check():
+    """The negative control: one parameter of rank 1's stages moved by 10x the tolerance mid-run."""
+    out = launch("pipeline_parallel.py", 2, *TINY, "--micro-batches", 2, "--schedule", "zbv", timeout=120,
+                 env=clean_env(FAIL_AT="1:1:nudge"))
+    assert out.returncode == 1 and "-> FAIL" in out.stdout, out.stdout + out.stderr
