@@ -1,57 +1,64 @@
 """Pipeline parallelism over MPI: the layer stack is cut into stages, the batch into micro-batches.
 
-What is split: the model's layers. Rank r holds one contiguous stage of the stack, with its
-parameters and their optimizer state. The global batch of B sequences (--batch-size, the same at
-every world size) is cut into M micro-batches (--micro-batches) that flow through the stages one
-after another, so that several ranks compute at once, each on a different micro-batch.
+What is split: the model's layers. Rank r holds one contiguous stage of the stack (or V chunks of
+it), with its parameters and their optimizer state. The global batch of B sequences is cut into M
+micro-batches (--micro-batches) that flow through the stages one after another, so that several
+ranks compute at once, each on a different micro-batch.
 
    tokens  +------------+ act  +---------+ act  +---------+ act  +--------------+  loss
    ------> | rank 0     | ---> | rank 1  | ---> | rank 2  | ---> | rank 3       | ----->
            | embeddings | <--- | blocks  | <--- | blocks  | <--- | blocks, norm |
            | blocks     | grad |         | grad |         | grad | head, loss   |
            +------------+      +---------+      +---------+      +--------------+
-   each rank also keeps the saved activations of the micro-batches between their forward
-   and their backward
 
-The two schedules as the dry run draws them for N = 4 ranks and M = 4 micro-batches, one slot per
-forward (F) or backward (B) of micro-batch i, '.' idle:
+Schedules, as the dry run draws them for N = 3 ranks, M = 3 micro-batches (F: forward, one slot;
+B: backward, two slots, or split into B, the input's gradient the previous stage waits for, and W,
+the weights' gradients nobody waits for, one slot each; '.' idle):
 
-   --schedule gpipe (Huang et al. 2019):               --schedule 1f1b (PipeDream-Flush, Narayanan et al.
-   all forwards, then all backwards                    2021): N-1-r warm-up forwards, then alternate one
-                                                       forward and one backward, then the last backwards
-   rank 0 | F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0   rank 0 | F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3
-   rank 1 | .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .    rank 1 | .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 .
-   rank 2 | .  .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .  .    rank 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .  .
-   rank 3 | .  .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .    rank 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  .
+   --schedule 1f1b (PipeDream-Flush, Narayanan et al. 2021); gpipe (Huang et al. 2019) runs all
+   forwards first, for the same bubble and M micro-batches held instead of min(M, N - r)
+   rank 0 | F0 F1 F2 .  .  .  .  B0 B0 .  B1 B1 .  B2 B2
+   rank 1 | .  F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2 .  .
+   rank 2 | .  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  .  .  .
+   --schedule zb-h1 (zero bubble, Qi et al. 2023): rank r keeps its first r W for the cool-down
+   rank 0 | F0 F1 F2 .  .  B0 W0 B1 W1 B2 W2
+   rank 1 | .  F0 F1 .  B0 F2 B1 W0 B2 W1 W2
+   rank 2 | .  .  F0 B0 F1 B1 F2 B2 W0 W1 W2
+   --schedule zbv: two chunks a, b per rank in a V, down the ranks and back up to the loss on rank 0
+   rank 0 | F0a F1a F2a .   .   F0b B0b F1b B1b F2b B2b B0a W0a B1a W0b B2a W1a W1b W2a W2b
+   rank 1 | .   F0a F1a F2a F0b .   F1b B0b F2b B1b B0a B2b B1a W0a B2a W0b W1a W1b W2a W2b
+   rank 2 | .   .   F0a F0b F1a F1b F2a F2b B0b B0a B1b B1a B2b B2a W0a W0b W1a W1b W2a W2b
+   --schedule interleaved --virtual-stages V (Megatron): rank r holds chunks r, r+N, ... and runs
+   the micro-batches in groups of N through each (M a multiple of N)
 
-Both leave each rank idle (N-1)/(M+N-1) of the step when the stages cost the same: the bubble,
-smaller with more micro-batches. GPipe holds the activations of all M micro-batches at once on
-every rank; 1F1B at most min(M, N - r) on rank r: the same bubble for less memory. Each
-micro-batch's loss is divided by M, so that the summed gradients are those of the whole batch.
-Each schedule is a list of actions per rank (forward i, backward i, send, receive); before
-anything is sent, a dry run executes all the lists on paper and proves that every send meets its
-receive, every input exists before it is used and the order cannot deadlock.
+The bubble (idle share of the step, equal costs): (N-1)/(M+N-1) for gpipe and 1f1b, (N-1)/(VM+N-1)
+interleaved, 1 - 3M/(2M+N-1+max(M,N)) for zb-h1 (at M >= N a third of 1f1b's idle time) and
+(N-1)/(6M+N-1) for zbv at M >= N, the least possible (its last rank waits for N-1 half stages).
+Peak memory, in micro-batches held from forward to backward (or W): zb-h1 min(M, N), zbv min(2M,
+2N) half stages: no more than 1f1b's on rank 0; interleaved up to (N-1)/V stages more. A dry run
+executes every rank's list of actions on paper before anything is sent: every send meets its
+receive, every input exists before use, no deadlock. Each loss is divided by M.
 
-Communication per step: each of the N-1 stage boundaries carries M activations forward and M
-gradients back, each (B/M) x T x H float32: 2(N-1) x B x T x H x 4 bytes in 2M(N-1) non-blocking
-point-to-point messages over all ranks, whatever M, and no collective (each rank updates only
-its own parameters).
+Communication per step: each of the K stage boundaries between two ranks (N-1; NV-1 interleaved;
+2N-2 in a V) carries M activations forward and M gradients back, each (B/M) x T x H float32:
+2K x B x T x H x 4 bytes in 2MK point-to-point messages, and no collective.
 
 When to choose it: the model does not fit on one device and the links between devices are slow
 (only activations cross, and only at stage boundaries), with enough micro-batches per batch to
 keep the bubble small. Combine it with data parallelism for more samples per second.
 
 The network: a GPT-2 style character-level language model trained on the source of Python's own
-argparse.py, textwrap.py and shlex.py, read from this Python's standard library.
-
-Run:  mpirun -np 4 python pipeline_parallel.py            (add --help for the flags)
+argparse.py, textwrap.py and shlex.py. Run:  mpirun -np 4 python pipeline_parallel.py  (--help)
 """
 import argparse
 import collections
 import contextlib
+import ctypes
+import errno
 import functools
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -61,6 +68,8 @@ import statistics
 import sys
 import time
 import traceback
+import types
+import weakref
 
 import torch
 import torch.nn as nn
@@ -74,248 +83,408 @@ STRATEGY = "pipeline_parallel"
 TOLERANCE = 2e-5
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
-POLL_S = 1e-4  # a rank waiting for a peer sleeps between polls and leaves the core to ranks that compute
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 
 
 # -----------------------------------------------------------------------------
-# Arguments
+# The strategy: each rank executes its list of actions; the schedules make the lists
 # -----------------------------------------------------------------------------
-class ConfigError(Exception):
-    """An impossible configuration. Every rank finds it the same way and exits 2."""
+# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
+# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+CUDA_AWARE = False
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage on every rank."""
-
-    def error(self, message):
-        raise ConfigError(message)
-
-    def _print_message(self, message, file=None):
-        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
-            super()._print_message(message, file)
-
-
-def parse_args(argv, world_size):
-    p = Parser(description="Pipeline parallelism over MPI: a small GPT on Python's own source.")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="global batch: samples per optimizer step, whatever the world size")
-    p.add_argument("--lr", type=float, default=0.2, help="learning rate (SGD, momentum 0.9)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--log-every", type=int, default=20, help="rank 0 prints progress every N steps")
-    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                   help="compare with single-process training (default: on)")
-    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
-    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
-    p.add_argument("--save-every", type=int, default=0,
-                   help="checkpoint every N steps as well as at the end (0: at the end only)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
-    # The network (the same in every strategy file), then pipeline parallelism's own flags.
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
-    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per global batch")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="pipeline schedule")
-    args = p.parse_args(argv)
-
-    for name in ("steps", "batch_size", "log_every", "layers", "hidden", "heads", "seq_len", "micro_batches"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
-                              f"got {getattr(args, name)}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ConfigError(f"--lr must be a positive number, got {args.lr}")
-    if args.save_every < 0:
-        raise ConfigError(f"--save-every must be 0 or more, got {args.save_every}")
-    if args.resume and not args.save:
-        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
-    if args.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
-    if args.hidden % args.heads:
-        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
-                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
-    if args.seq_len > len(load_text()) - 2:
-        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most "
-                          f"{len(load_text()) - 2}")
-    if args.layers < world_size:
-        raise ConfigError(f"--layers {args.layers} cannot fill {world_size} stages, one per rank; "
-                          f"use --layers {world_size} or more, or at most {args.layers} ranks")
-    if args.batch_size % args.micro_batches:
-        works = ", ".join(str(m) for m in range(1, args.batch_size + 1) if args.batch_size % m == 0)
-        raise ConfigError(f"--batch-size {args.batch_size} does not split into {args.micro_batches} "
-                          f"micro-batches; use --micro-batches {works}, or a --batch-size multiple "
-                          f"of {args.micro_batches}")
-    return args
+def mpi_buffer(t, nonblocking=False, send=True):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy (for a receive, an empty one).
+    Open MPI's non-blocking collectives never read GPU memory, CUDA-aware or not: always staged."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t) if send else host  # copy_ waits for t's kernels
 
 
-# -----------------------------------------------------------------------------
-# MPI and device setup
-# -----------------------------------------------------------------------------
-def setup_device(comm, choice):
-    """One device per rank: cuda:(local rank % GPUs), or the CPU with a fair share of cores."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
-    local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        # Oversubscribed ranks that each start one thread per core thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
-    return device
+def from_mpi(t, buffer):
+    """Bring what MPI wrote into a host copy back to t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
 
 
-def mpi_cuda_aware(comm):
-    """Can MPI read CUDA memory? MPI_CUDA_AWARE=1|0 decides; else ask MPI 4.1; else no."""
-    forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds") or ""
-    except (MPI.Exception, NotImplementedError, AttributeError):
-        kinds = ""
-    return "cuda" in kinds
+def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline):
+    """One optimizer step: this rank's actions over M micro-batches. stage[c] is this rank's c-th
+    chunk, ranks[s] the rank of stage s. Returns on the rank of the last stage the step's loss
+    (the sum of the micro-batches' losses, each divided by M), elsewhere 0."""
+    rank, last = comm.Get_rank(), len(ranks) - 1
+    chunk = {s: stage[c] for c, s in enumerate(s for s in range(last + 1) if ranks[s] == rank)}
+    xs, ys = x.chunk(m), y.chunk(m)
+    inputs, outputs, arrived, later, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
+    optimizer.zero_grad(set_to_none=False)
+
+    def peer(a):  # an input comes from the stage before and goes to the one after, a gradient back
+        return ranks[a.stage + (1 if a.op in ("send_act", "recv_grad") else -1)]
+
+    def post(a):  # start receiving: the message lands while this rank computes
+        t = torch.empty(x.size(0) // m, x.size(1), stage.hidden, device=x.device)
+        buffer = mpi_buffer(t, send=False)
+        recvs[a] = (t, buffer, comm.Irecv(buffer, peer(a), tag(a.op[5:], a.mb, a.stage, last + 1)))
+
+    for k, a in enumerate(actions):
+        key, kind = (a.stage, a.mb), a.op[5:]
+        if a.op in COST:  # post the next receive from another rank before computing
+            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_") and peer(b) != rank), None)
+            if upcoming is not None and upcoming not in recvs:
+                post(upcoming)
+        if a.op.startswith("recv_") and peer(a) != rank:  # from this rank: already in `arrived`
+            if a not in recvs:
+                post(a)
+            t, buffer, request = recvs.pop(a)
+            request.Wait()  # idle until the peer's message is in
+            arrived[kind, key] = from_mpi(t, buffer)
+        elif a.op.startswith("send_"):
+            to = a.stage + 1 if kind == "act" else a.stage - 1
+            t = outputs[key].detach() if kind == "act" else inputs.pop(key).grad
+            if peer(a) == rank:  # the next stage lives here too (the turn of the V): no message
+                arrived[kind, (to, a.mb)] = t
+            else:  # the buffer must stay untouched until the send completes
+                buffer = mpi_buffer(t.contiguous())
+                sends.append((buffer, comm.Isend(buffer, peer(a), tag(kind, a.mb, to, last + 1))))
+        elif a.op == "forward":
+            with timeline.span("compute", f"F{a.mb}"), meter.saving(key):
+                inp = xs[a.mb] if a.stage == 0 else arrived.pop(("act", key)).requires_grad_()
+                out = chunk[a.stage](inp) if len(chunk[a.stage]) else inp.view_as(inp)  # no blocks: pass on
+                if a.stage == last:  # divided by M: the summed gradients are the whole batch's
+                    out = F.cross_entropy(out.flatten(0, 1), ys[a.mb].flatten()) / m
+                    total += out.item()
+            inputs[key], outputs[key] = inp, out
+        elif a.op in ("backward", "backward_input"):
+            grad = None if a.stage == last else arrived.pop(("grad", key))
+            with timeline.span("compute", f"{a.op[0].upper()}{a.mb}"):
+                if a.op == "backward":
+                    outputs.pop(key).backward(grad)
+                else:  # B: the input's gradient and the small weights'; the Linear weights' go to W
+                    leaves = [inputs[key]] * (a.stage > 0) + chunk[a.stage].weights_in_b
+                    outputs.pop(key).backward(grad, inputs=leaves)
+                    later[key] = [(meter.hold(key, x_), meter.hold(key, g), w, b)
+                                  for x_, g, w, b in chunk[a.stage].later]
+                    chunk[a.stage].later.clear()
+            if a.stage == 0:
+                inputs.pop(key)
+        elif a.op == "backward_weight":
+            with timeline.span("compute", f"W{a.mb}"):
+                weight_gradients(later.pop(key))
+        sends = [(b, s) for b, s in sends if not s.Test()]  # MPICH progresses only inside MPI calls
+    for _, request in sends:
+        request.Wait()
+    with timeline.span("compute", "optimizer"):
+        optimizer.step()
+    return total
 
 
-def mpi_library():
-    return MPI.Get_library_version().splitlines()[0].strip()
+def tag(kind, mb, stage, stages):
+    """The message that carries the input (act) or the gradient (grad) of `stage` for micro-batch mb."""
+    return 1 + 2 * (mb * stages + stage) + (kind == "grad")
 
 
-def inject_failure(comm, step, during="step"):
-    """Testing aid: FAIL_AT=RANK:STEP:raise|kill[:save] makes one rank raise or SIGKILL itself
-    at the start of a step, or with ':save' while writing the checkpoint of that step."""
-    spec = os.environ.get("FAIL_AT")
-    if not spec:
-        return
-    rank, at, how, *where = spec.split(":")
-    if int(rank) == comm.Get_rank() and int(at) == step and (where or ["step"])[0] == during:
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
+class LinearWeightsLater(torch.autograd.Function):
+    """F.linear whose backward gives only the input's gradient (B) and leaves the weights' (W),
+    with the tensors they need, in a list: zero-bubble schedules run W where the pipeline idles."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, later):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.later = weight, bias, later  # the parameters themselves, for W
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.later.append((ctx.saved_tensors[0], grad, ctx.weight, ctx.bias))
+        return grad @ ctx.weight, None, None, None
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class Linear(nn.Linear):
+    """nn.Linear; with `later` set to a list, its weights' gradients wait there for W."""
+    later = None
+
+    def forward(self, x):
+        return super().forward(x) if self.later is None else \
+            LinearWeightsLater.apply(x, self.weight, self.bias, self.later)
 
 
-# -----------------------------------------------------------------------------
-# Communication: a timeline of spans, and the counted MPI primitives
-# -----------------------------------------------------------------------------
-class Timeline:
-    """Spans of compute and comm on one rank. Nested spans count once (self time)."""
+class ActivationMeter:
+    """What autograd really holds for each (stage, micro-batch) between its forward and its
+    backward (or W): every tensor saved for backward is counted by storage from the moment it is
+    saved until the last reference to it dies (a weakref finalizer), parameters and buffers left
+    out. Peak: the most (stage, micro-batch) pairs holding memory at once, and their bytes."""
 
-    def __init__(self, device):
-        self.device, self.events, self.stack = device, [], []
-        self.totals = collections.Counter()  # self time per category since the last take()
+    def __init__(self, stage):
+        self.fixed = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
+        self.live, self.refs = collections.Counter(), collections.Counter()  # key -> bytes, (key, storage) -> tensors
+        self.peak_count = self.peak_bytes = self.per_mb = 0
 
-    @contextlib.contextmanager
-    def span(self, cat, name):
-        sync(self.device)
-        start = time.perf_counter()
-        self.stack.append(0.0)
-        try:
-            yield
-        finally:
-            sync(self.device)
-            end = time.perf_counter()
-            children = self.stack.pop()
-            self.totals[cat] += end - start - children
-            if self.stack:
-                self.stack[-1] += end - start
-            self.events.append((name, cat, start, end))
+    def hold(self, key, t):
+        """Count t for key until the object returned (an alias of t) is freed."""
+        storage = t.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if ptr in self.fixed:
+            return t
+        alias = t.detach()
+        self.refs[key, ptr] += 1
+        if self.refs[key, ptr] == 1:
+            self.live[key] += size
+            self.per_mb = max(self.per_mb, self.live[key])
+            self.peak_count = max(self.peak_count, len(self.live))
+            self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+        weakref.finalize(alias, self.release, key, ptr, size)
+        return alias
 
-    def take(self):
-        totals, self.totals = dict(self.totals), collections.Counter()
-        return totals
+    def release(self, key, ptr, size):
+        self.refs[key, ptr] -= 1
+        if not self.refs[key, ptr]:
+            del self.refs[key, ptr]
+            self.live[key] -= size
+            if not self.live[key]:
+                del self.live[key]
+
+    def saving(self, key):
+        return torch.autograd.graph.saved_tensors_hooks(functools.partial(self.hold, key), lambda t: t)
 
 
-class Exchange:
-    """MPI on torch tensors: CUDA memory directly when MPI is CUDA-aware, else staged via host.
+def weight_gradients(work):
+    """W: the weights' gradients that the backward of Linear (B) left for later, added up."""
+    for x, grad, weight, bias in work:
+        g = grad.reshape(-1, grad.shape[-1])
+        for p, value in ((weight, g.t() @ x.reshape(-1, x.shape[-1])), (bias, g.sum(0))):
+            if p is not None:
+                p.grad = value if p.grad is None else p.grad.add_(value)
 
-    Every call is counted (calls and payload bytes, by kind) and timed as a 'comm' span.
+
+# The model is cut into S = N x V stages (V chunks per rank; V = 1 but for interleaved and zbv).
+# op: forward, backward (input and weights at once), backward_input (B: the gradient the previous
+# stage waits for), backward_weight (W: the weights' gradients, which nobody waits for), or
+# send_/recv_ act/grad: the input of `stage` arrives from stage - 1, its gradient from stage + 1.
+Action = collections.namedtuple("Action", "op mb stage")
+COST = {"forward": 1, "backward": 2, "backward_input": 1, "backward_weight": 1}  # slots, dry run
+
+
+class ScheduleError(Exception):
+    """A schedule that would deadlock, lose a message or use an input before it exists."""
+
+
+def chunks_of(name, v):
+    return {"interleaved": v, "zbv": 2}.get(name, 1)
+
+
+def stage_rank(name, n, s):
+    """The rank that holds stage s: round robin (chunks r, r+N, ...), or for zbv a V: down the
+    ranks and back up, so that rank 0 holds the first and the last stage."""
+    return (s if s < n else 2 * n - 1 - s) if name == "zbv" else s % n
+
+
+def forward_actions(i, s, last):
+    return [Action("recv_act", i, s)] * (s > 0) + [Action("forward", i, s)] + \
+        [Action("send_act", i, s)] * (s < last)
+
+
+def backward_actions(i, s, last, op="backward"):
+    if op == "backward_weight":
+        return [Action(op, i, s)]
+    return [Action("recv_grad", i, s)] * (s < last) + [Action(op, i, s)] + [Action("send_grad", i, s)] * (s > 0)
+
+
+def expand(order, last):
+    """(op, micro-batch, stage) in the order a rank computes them -> its actions with messages."""
+    return [a for op, i, s in order
+            for a in (forward_actions(i, s, last) if op == "forward" else backward_actions(i, s, last, op))]
+
+
+def gpipe(n, m, rank, v=1):
+    """All M forwards, then all M backwards, the last micro-batch's first."""
+    return expand([("forward", i, rank) for i in range(m)] +
+                  [("backward", i, rank) for i in reversed(range(m))], n - 1)
+
+
+def one_f_one_b(n, m, rank, v=1, backward="backward"):
+    """Forwards until the first gradient can be back (warm-up), then one forward one backward,
+    then the remaining backwards (cool-down)."""
+    warmup = min(n - 1 - rank, m)
+    order = [("forward", i, rank) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("forward", warmup + i, rank), (backward, i, rank)]
+    return expand(order + [(backward, i, rank) for i in range(m - warmup, m)], n - 1)
+
+
+def interleaved(n, m, rank, v):
+    """Megatron's interleaved 1F1B: rank r holds stages r, r + N, ..., and runs the micro-batches
+    in groups of N through one chunk, then the next. Warm-up: 2(N - 1 - r) + (V - 1)N forwards."""
+    total = m * v
+
+    def unit(k, backward):  # the k-th (micro-batch, stage) of this rank's forward or backward order
+        chunk = (k // n) % v
+        return (k // (n * v)) * n + k % n, (v - 1 - chunk if backward else chunk) * n + rank
+    warmup = min(total, 2 * (n - 1 - rank) + (v - 1) * n)
+    order = [("forward", *unit(k, False)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("forward", *unit(warmup + k, False)), ("backward", *unit(k, True))]
+    return expand(order + [("backward", *unit(k, True)) for k in range(total - warmup, total)], n * v - 1)
+
+
+def zb_h1(n, m, rank, v=1):
+    """Zero bubble, handcrafted ZB-H1 (Qi et al. 2023): 1F1B with the backward split in B and W,
+    one more forward in the warm-up, and each W right after the next B but for rank r's first r
+    W, kept for the end, where they fill the cool-down that 1F1B leaves idle. Every rank holds
+    at most min(M, N) micro-batches from F to W: 1F1B's peak, on rank 0."""
+    warmup, late = min(n - rank, m), min(rank, m)
+    order, f, w = [("forward", i, rank) for i in range(warmup)], warmup, 0
+    for i in range(m):
+        order.append(("backward_input", i, rank))
+        if i >= late:
+            order.append(("backward_weight", w, rank))
+            w += 1
+        if f < m:
+            order.append(("forward", f, rank))
+            f += 1
+    return expand(order + [("backward_weight", i, rank) for i in range(w, m)], n - 1)
+
+
+@functools.cache
+def zbv_orders(n, m):
+    """Zero bubble V (Qi et al. 2023), found by list scheduling on equal F, B, W costs: each slot,
+    each rank runs a B whose gradient is in, else a forward whose input is in (the later stage
+    first) while it holds fewer than 2N micro-batch chunks (1F1B's peak, N whole stages), else a
+    pending W. This reaches the fewest slots possible, 6M + N - 1, for M >= N (N <= 4)."""
+    last, done, clock = 2 * n - 1, {}, 0
+    nxt = {(op, s): 0 for op in COST for s in range(2 * n)}  # the next micro-batch of (op, stage)
+    orders, held = [[] for _ in range(n)], [0] * n
+    while len(done) < 6 * n * m:
+        ready = lambda key: done.get(key, math.inf) <= clock
+        for r in range(n):
+            options = []
+            for s in (r, last - r):
+                i, j, k = nxt["forward", s], nxt["backward_input", s], nxt["backward_weight", s]
+                if j < m and ready(("forward", j, s)) and (s == last or ready(("backward_input", j, s + 1))):
+                    options.append((0, 0, "backward_input", j, s))
+                if i < m and held[r] < 2 * n and (s == 0 or ready(("forward", i, s - 1))):
+                    options.append((1, -s, "forward", i, s))
+                if k < j and ready(("backward_input", k, s)):
+                    options.append((2, k, "backward_weight", k, s))
+            if options:
+                _, _, op, i, s = min(options)
+                orders[r].append((op, i, s))
+                nxt[op, s] += 1
+                held[r] += {"forward": 1, "backward_weight": -1}.get(op, 0)
+                done[op, i, s] = clock + 1
+        clock += 1
+    return orders
+
+
+def zbv(n, m, rank, v=2):
+    return expand(zbv_orders(n, m)[rank], 2 * n - 1)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1, "zbv": zbv}
+
+
+def schedule_bound(name, n, m, rank, v=1):
+    """The most micro-batch chunks a rank holds between their forward and their backward (their
+    W where it is split), in theory; a chunk is 1/V of a stage's layers."""
+    return {"gpipe": m, "1f1b": min(m, n - rank), "zb-h1": min(m, n), "zbv": min(2 * m, 2 * n),
+            "interleaved": min(m * v, 2 * (n - 1 - rank) + (v - 1) * n + 1)}[name]
+
+
+def bubble_theory(name, n, m, v=1):
+    """The idle share of the step when F, B and W each cost the same (a whole backward two)."""
+    return {"gpipe": (n - 1) / (m + n - 1), "1f1b": (n - 1) / (m + n - 1),
+            "interleaved": (n - 1) / (v * m + n - 1), "zbv": (n - 1) / (6 * m + n - 1),
+            "zb-h1": 1 - 3 * m / (2 * m + n - 1 + max(m, n))}[name]
+
+
+THEORY = {"gpipe": "(N-1)/(M+N-1)", "1f1b": "(N-1)/(M+N-1)", "interleaved": "(N-1)/(VM+N-1)",
+          "zb-h1": "1 - 3M/(2M+N-1+max(M,N))", "zbv": "(N-1)/(6M+N-1), reached at M >= N"}
+BOUND = {"gpipe": "M", "1f1b": "min(M, N - rank)", "zb-h1": "min(M, N)", "zbv": "min(2M, 2N)",
+         "interleaved": "min(VM, 2(N-1-rank) + (V-1)N + 1)"}
+
+
+def dry_run(schedules, m, ranks):
+    """Execute every rank's list on paper as the ranks will (a send never blocks, a receive waits
+    until its message has been sent), a forward or B or W one slot, a whole backward two.
+    ranks[s] holds stage s.
+
+    Raises ScheduleError unless every rank runs the forward and the backward (or B and W) of each
+    micro-batch through each of its stages once, each after its inputs exist, and every message
+    is received. Returns per rank the ideal timeline [(label, start, end)] and the peak number of
+    micro-batch chunks held between forward and backward (or W).
     """
-
-    def __init__(self, comm, timeline, cuda_aware):
-        self.comm, self.timeline, self.cuda_aware = comm, timeline, cuda_aware
-        self.calls, self.bytes = collections.Counter(), collections.Counter()
-
-    def _count(self, kind, t):
-        self.calls[kind] += 1
-        self.bytes[kind] += t.numel() * t.element_size()
-
-    def _to_mpi(self, t):
-        """The buffer MPI reads and writes: t itself, or a host copy when MPI cannot see CUDA."""
-        assert t.is_contiguous() and not t.requires_grad
-        if t.is_cuda:
-            torch.cuda.current_stream().synchronize()  # kernels writing t must finish first
-            if not self.cuda_aware:
-                return t.cpu()
-        return t
-
-    def isend(self, t, dest, tag):
-        """Start sending t to rank dest; t must not change until the Transfer is done."""
-        return self._start("send", self.comm.Isend, t, dest, tag)
-
-    def irecv(self, t, source, tag):
-        """Start receiving into t from rank source; the Transfer's wait() returns t, filled."""
-        return self._start("recv", self.comm.Irecv, t, source, tag)
-
-    def _start(self, kind, call, t, peer, tag):
-        self._count(kind, t)
-        with self.timeline.span("comm", kind):
-            buf = self._to_mpi(t)
-            return Transfer(self.timeline, call(buf, peer, tag), t, buf, kind)
-
-    def bcast(self, t, root=0):
-        self._count("bcast", t)
-        with self.timeline.span("comm", "bcast"):
-            buf = self._to_mpi(t)
-            self.comm.Bcast(buf, root=root)
-            if buf is not t:
-                t.copy_(buf)
-        return t
-
-
-class Transfer:
-    """A point-to-point message in flight. Time spent waiting for the peer is idle, not comm."""
-
-    def __init__(self, timeline, request, t, buf, kind):
-        self.timeline, self.request, self.t, self.buf, self.kind = timeline, request, t, buf, kind
-
-    def done(self):
-        return self.request.Test()  # also moves MPI along: MPICH progresses only inside MPI calls
-
-    def wait(self):
-        with self.timeline.span("idle", "wait " + self.kind):
-            while not self.request.Test():
-                time.sleep(POLL_S)  # spinning in Wait would steal the core of a rank that computes
-            if self.buf is not self.t:
-                self.t.copy_(self.buf)
-        return self.t
-
-
-def wait_quietly(comm):
-    """A barrier that sleeps between polls: ranks with nothing to do leave the cores to rank 0."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(POLL_S)
+    n, last = len(schedules), len(ranks) - 1
+    pc, clock, sent = [0] * n, [0] * n, {}  # sent: (kind, receiving stage, mb) -> slot it was sent at
+    have = [set() for _ in range(n)]  # (act|grad, mb, stage) received, (op, mb, stage) computed
+    spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
+    chunk = {s: sorted(t for t in range(last + 1) if ranks[t] == ranks[s]).index(s) for s in range(last + 1)}
+    moved = True
+    while moved:
+        moved = False
+        for r in range(n):
+            while pc[r] < len(schedules[r]):
+                a = schedules[r][pc[r]]
+                op, i, s = a
+                if not (0 <= s <= last and ranks[s] == r and 0 <= i < m):
+                    raise ScheduleError(f"rank {r}: {a} is not this rank's stage or micro-batch")
+                kind = op.split("_")[-1]
+                if op.startswith("recv_"):
+                    if (kind, s, i) not in sent:
+                        break  # blocked until the peer sends
+                    clock[r] = max(clock[r], sent.pop((kind, s, i)))
+                    have[r].add((kind, i, s))
+                elif op.startswith("send_"):
+                    to, needs = (s + 1, ["forward"]) if kind == "act" else (s - 1, ["backward", "backward_input"])
+                    if not any((x, i, s) in have[r] for x in needs) or not 0 <= to <= last or (kind, to, i) in sent:
+                        raise ScheduleError(f"rank {r}: {op} {i} before its {needs[0]}, to no stage, or twice")
+                    sent[(kind, to, i)] = clock[r]
+                elif op in COST:
+                    needs = {"forward": [("act", i, s)] * (s > 0),
+                             "backward_weight": [("backward_input", i, s)]}.get(
+                        op, [("forward", i, s)] + [("grad", i, s)] * (s < last))
+                    twice = {"backward": ["backward", "backward_input"],
+                             "backward_input": ["backward", "backward_input"]}.get(op, [op])
+                    if any((x, i, s) in have[r] for x in twice) or not all(x in have[r] for x in needs):
+                        raise ScheduleError(f"rank {r}: {op} {i} of stage {s} twice, or before {needs}")
+                    have[r].add((op, i, s))
+                    label = op[0].upper() if op != "backward_weight" else "W"
+                    spans[r].append((label + str(i) + ("abcdefgh"[chunk[s]] if last >= n else ""),
+                                     clock[r], clock[r] + COST[op]))
+                    clock[r] += COST[op]
+                    held[r] += {"forward": 1, "backward": -1, "backward_weight": -1}.get(op, 0)
+                    peak[r] = max(peak[r], held[r])
+                else:
+                    raise ScheduleError(f"rank {r}: unknown action {op!r}")
+                pc[r] += 1
+                moved = True
+    stuck = [f"rank {r} at {schedules[r][pc[r]]}" for r in range(n) if pc[r] < len(schedules[r])]
+    if stuck:
+        raise ScheduleError(f"deadlock: {', '.join(stuck)} wait for messages never sent")
+    if sent:
+        raise ScheduleError(f"messages never received (kind, stage, micro-batch): {sorted(sent)}")
+    for r in range(n):  # each ran at most once and in range: that many means all of them
+        work = sum(COST[op] for op, _, _ in (x for x in schedules[r] if x.op in COST))
+        if work != 3 * m * sum(1 for s in ranks if s == r) or held[r]:
+            raise ScheduleError(f"rank {r} does not run the forward and backward of all {m} "
+                                f"micro-batches through each of its stages")
+    return spans, peak
 
 
 # -----------------------------------------------------------------------------
-# Model: a GPT-2 style character-level language model, built whole, then cut into stages
+# The model: a GPT-2 style character-level language model, built whole on the CPU, cut into stages
 # -----------------------------------------------------------------------------
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees itself and the positions before it."""
 
     def __init__(self, hidden, heads, seq_len):
         super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.heads, self.qkv, self.proj = heads, Linear(hidden, 3 * hidden), Linear(hidden, hidden)
         self.register_buffer("future", torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1),
                              persistent=False)
 
@@ -336,7 +505,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(hidden), CausalSelfAttention(hidden, heads, seq_len)
         self.ln2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.mlp = nn.Sequential(Linear(hidden, 4 * hidden), nn.GELU(), Linear(4 * hidden, hidden))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -359,15 +528,15 @@ class Head(nn.Module):
 
     def __init__(self, hidden):
         super().__init__()
-        self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
+        self.norm, self.out = nn.LayerNorm(hidden), Linear(hidden, VOCAB, bias=False)
 
     def forward(self, x):
         return self.out(self.norm(x))
 
 
-def build_model(args, device):
-    """The full model from the seed: the same network at every world size (GPT-2's init).
-    One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
+def build_model(args):
+    """The full model from the seed, on the CPU: the same network at every world size (GPT-2's
+    init). One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
     torch.manual_seed(args.seed)
     model = nn.Sequential(Embedding(args.hidden, args.seq_len),
                           *(Block(args.hidden, args.heads, args.seq_len) for _ in range(args.layers)),
@@ -377,31 +546,50 @@ def build_model(args, device):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
-    return model.to(device)
+    return model
 
 
-def layer_split(layers, n):
-    """Blocks [lo, hi) of each rank, as even as can be. The extra blocks go to the first ranks:
+def layer_split(layers, stages):
+    """Blocks [lo, hi) of each stage, as even as can be. The extra blocks go to the first stages:
     the last also runs the head and the loss, while the embeddings cost next to nothing."""
-    sizes = [layers // n + (r < layers % n) for r in range(n)]
-    return [(sum(sizes[:r]), sum(sizes[:r + 1])) for r in range(n)]
+    sizes = [layers // stages + (s < layers % stages) for s in range(stages)]
+    return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(stages)]
 
 
-def stage_of(model, rank, n):
-    """This rank's slice of the full model: its blocks, with the embeddings first, the head last."""
-    lo, hi = layer_split(len(model) - 2, n)[rank]
-    return model[0 if rank == 0 else lo + 1:len(model) if rank == n - 1 else hi + 1]
+def stage_slice(layers, s, stages):
+    """Stage s's modules in the full nn.Sequential: its blocks, the embeddings first, the head last."""
+    lo, hi = layer_split(layers, stages)[s]
+    return slice(0 if s == 0 else lo + 1, layers + 2 if s == stages - 1 else hi + 1)
 
 
-def describe_split(layers, n):
-    return " | ".join(f"rank {r}: " + "embeddings + " * (r == 0) +
-                      (f"block {lo}" if hi - lo == 1 else f"blocks {lo}-{hi - 1}") +
-                      " + norm, head, loss" * (r == n - 1)
-                      for r, (lo, hi) in enumerate(layer_split(layers, n)))
+def build_stage(args, ranks, rank, device, split_backward):
+    """This rank's chunks (stages ranks[s] == rank, in order), cut from the full model built on the
+    CPU and moved alone to the device: the rest of the model is freed, never on the device."""
+    model = build_model(args)
+    stage = nn.ModuleList(model[stage_slice(args.layers, s, len(ranks))]
+                          for s in range(len(ranks)) if ranks[s] == rank)
+    del model
+    stage.hidden = args.hidden
+    for chunk in stage.to(device):
+        linear = [m for m in chunk.modules() if isinstance(m, Linear)]
+        chunk.later = []
+        for m in linear * split_backward:
+            m.later = chunk.later
+        in_linear = {id(p) for m in linear for p in m.parameters()}
+        chunk.weights_in_b = [p for p in chunk.parameters() if id(p) not in in_linear]
+    return stage
+
+
+def describe_split(layers, ranks):
+    parts = [("embeddings + " * (s == 0) + (f"block {lo}" if hi - lo == 1 else
+              f"blocks {lo}-{hi - 1}" if hi > lo else "no block") + " + norm, head, loss" * (s == len(ranks) - 1))
+             for s, (lo, hi) in enumerate(layer_split(layers, len(ranks)))]
+    return " | ".join(f"rank {r}: " + ", ".join(parts[s] for s in range(len(ranks)) if ranks[s] == r)
+                      for r in range(max(ranks) + 1))
 
 
 # -----------------------------------------------------------------------------
-# Data: the characters of Python's own source; each batch a function of (seed, step)
+# The data: the characters of Python's own source; each batch a function of (seed, step)
 # -----------------------------------------------------------------------------
 @functools.cache
 def load_text():
@@ -421,254 +609,341 @@ def make_batch(seed, step, size, seq_len):
 
 
 # -----------------------------------------------------------------------------
-# Schedules: per-rank lists of actions, proven by a dry run before anything is sent
+# The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-Action = collections.namedtuple("Action", "op mb")  # op: forward, backward, send_/recv_ act/grad
+def train(args, comm, counted, run, stage, optimizer, actions, ranks, meter, past=()):
+    """The steps after the `past` ones (their losses, from a checkpoint). Returns this rank's
+    losses of the new steps (0 but on the rank of the last stage), their timings, and the last
+    step's [start, end) on the timeline."""
+    loss_rank, losses, records, window = ranks[-1], [], [], None
+    config = model_config(args, ranks)
+    for step in range(len(past), args.steps):
+        inject_failure(comm, step, model=stage)
+        start = time.perf_counter()
+        x, y = (t.to(run.device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        losses.append(train_step(stage, optimizer, actions, ranks, x, y, args.micro_batches, counted, meter,
+                                 run.timeline))
+        records.append(run.timeline.step_record(start))
+        window = (start - run.timeline.origin_s, start - run.timeline.origin_s + records[-1]["step_s"])
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            print_progress(comm, args, step, comm.bcast(losses[-1], root=loss_rank), records[-1])  # not counted
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
+                     "losses": list(past) + comm.bcast(losses, root=loss_rank)}  # that rank computed them
+            save_checkpoint(comm, args.save, step + 1, shard, config)
+    return losses, records, window
 
 
-class ScheduleError(Exception):
-    """A schedule that would deadlock, lose a message or use an input before it exists."""
+def model_config(args, ranks):
+    """The network a checkpoint's shards belong to, and which stage each rank holds."""
+    return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+            "seq_len": args.seq_len, "vocab": VOCAB, "stages": ranks}
 
 
-def forward_actions(n, rank, i):
-    return [Action("recv_act", i)] * (rank > 0) + [Action("forward", i)] + \
-        [Action("send_act", i)] * (rank < n - 1)
+def main(argv=None, comm=MPI.COMM_WORLD):
+    """Parse, set up, prove the schedule, train, check, report. Returns the exit status of this rank."""
+    try:
+        args = parse_args(argv, comm.Get_size())
+        check_paths(comm, args)
+        run = setup(comm, args)
+        counted = CountedComm(comm, run.timeline)
+        n, m, v, rank = comm.Get_size(), args.micro_batches, args.virtual_stages, comm.Get_rank()
+        ranks = [stage_rank(args.schedule, n, s) for s in range(n * v)]
+        # Every rank makes and proves the lists of all ranks, so all reach the same verdict.
+        schedules = [SCHEDULES[args.schedule](n, m, r, v) for r in range(n)]
+        ideal = dry_run(schedules, m, ranks)
+        stage = build_stage(args, ranks, rank, run.device, split_backward=args.schedule in ("zb-h1", "zbv"))
+        optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+        meter = ActivationMeter(stage)
+        past, resumed = [], None
+        if args.resume:
+            resumed, shard = load_checkpoint(comm, args.save, model_config(args, ranks),
+                                             lambda manifest: f"rank-{rank}.pt", args.steps, same_world_size=True)
+            stage.load_state_dict(shard["model"])
+            optimizer.load_state_dict(shard["optimizer"])
+            past = shard["losses"]
+        print_header(comm, args, run, stage, ranks, resumed)
+        losses, records, window = train(args, comm, counted, run, stage, optimizer, schedules[rank], ranks,
+                                        meter, past)
+    except ConfigError as e:
+        print0(comm, f"error: {e}", file=sys.stderr)
+        return e.status
+    resident = comm.allgather(resident_bytes())  # while the stage is trained, before any check
+    every = torch.tensor(losses, dtype=torch.float64)
+    comm.Bcast(every, root=ranks[-1])  # the rank of the last stage computed them
+    losses = list(past) + every.tolist()
+    diff = check(comm, args, losses, stage, ranks) if args.check else None
+    if args.trace:
+        write_trace(comm, run.timeline, args.trace)
+    return report(comm, args, run, ideal, ranks, stage, losses, records, window, counted, meter, resident, diff)
 
 
-def backward_actions(n, rank, i):
-    return [Action("recv_grad", i)] * (rank < n - 1) + [Action("backward", i)] + \
-        [Action("send_grad", i)] * (rank > 0)
+# =============================================================================
+# You may stop reading here: the strategy is all above. Below is the machinery that every
+# strategy file repeats in the same order and the same words: the check against single-process
+# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# =============================================================================
 
-
-def gpipe(n, m, rank):
-    """All M forwards, then all M backwards, the last micro-batch's first."""
-    return [a for i in range(m) for a in forward_actions(n, rank, i)] + \
-           [a for i in reversed(range(m)) for a in backward_actions(n, rank, i)]
-
-
-def one_f_one_b(n, m, rank):
-    """Forwards until the first gradient can be back (warm-up), then one forward one backward,
-    then the remaining backwards (cool-down)."""
-    warmup = min(n - 1 - rank, m)
-    actions = [a for i in range(warmup) for a in forward_actions(n, rank, i)]
-    for i in range(m - warmup):
-        actions += forward_actions(n, rank, warmup + i) + backward_actions(n, rank, i)
-    return actions + [a for i in range(m - warmup, m) for a in backward_actions(n, rank, i)]
-
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
-
-
-def schedule_bound(name, n, m, rank):
-    """The most micro-batches a rank holds between their forward and backward, in theory."""
-    return m if name == "gpipe" else min(m, n - rank)
-
-
-def dry_run(schedules, m):
-    """Execute every rank's list on paper, one slot per forward or backward, as the ranks will:
-    a send never blocks (Isend), a receive waits until its message has been sent.
-
-    Raises ScheduleError unless every rank runs the forward and the backward of each of the M
-    micro-batches once, each after its inputs exist, and every message is received. Returns per
-    rank the ideal timeline [(label, start, end)] and the peak number of micro-batches held.
-    """
-    n = len(schedules)
-    pc, clock, sent = [0] * n, [0] * n, {}  # sent: (src, dst, kind, mb) -> slot it was sent at
-    have = [set() for _ in range(n)]  # (act|grad, mb) received, (forward|backward, mb) computed
-    spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
-    moved = True
-    while moved:
-        moved = False
-        for r in range(n):
-            while pc[r] < len(schedules[r]):
-                op, i = schedules[r][pc[r]]
-                kind = op.split("_")[-1]
-                if op.startswith("recv_"):
-                    key = (r - 1 if kind == "act" else r + 1, r, kind, i)
-                    if key not in sent:
-                        break  # blocked until the peer sends
-                    clock[r] = max(clock[r], sent.pop(key))
-                    have[r].add((kind, i))
-                elif op.startswith("send_"):
-                    dst, needs = (r + 1, "forward") if kind == "act" else (r - 1, "backward")
-                    if (needs, i) not in have[r] or not 0 <= dst < n or (r, dst, kind, i) in sent:
-                        raise ScheduleError(f"rank {r}: {op} {i} before its {needs}, to no rank, or twice")
-                    sent[(r, dst, kind, i)] = clock[r]
-                elif op in ("forward", "backward"):
-                    needs = ([("act", i)] if r > 0 else []) if op == "forward" else \
-                        [("forward", i)] + ([("grad", i)] if r < n - 1 else [])
-                    if (op, i) in have[r] or not 0 <= i < m or not all(x in have[r] for x in needs):
-                        raise ScheduleError(f"rank {r}: {op} {i} twice, out of range, or before {needs}")
-                    have[r].add((op, i))
-                    spans[r].append((f"{op[0].upper()}{i}", clock[r], clock[r] + 1))
-                    clock[r] += 1
-                    held[r] += 1 if op == "forward" else -1
-                    peak[r] = max(peak[r], held[r])
-                else:
-                    raise ScheduleError(f"rank {r}: unknown action {op!r}")
-                pc[r] += 1
-                moved = True
-    stuck = [f"rank {r} at {schedules[r][pc[r]]}" for r in range(n) if pc[r] < len(schedules[r])]
-    if stuck:
-        raise ScheduleError(f"deadlock: {', '.join(stuck)} wait for messages never sent")
-    if sent:
-        raise ScheduleError(f"messages never received (src, dst, kind, micro-batch): {sorted(sent)}")
-    for r in range(n):  # each ran at most once and in range: 2M of them means all of them
-        if len(spans[r]) != 2 * m:
-            raise ScheduleError(f"rank {r} does not run the forward and backward of all {m} micro-batches")
-    return spans, peak
-
-
-# -----------------------------------------------------------------------------
-# The pipeline-parallel training step: this rank's list of actions, executed
-# -----------------------------------------------------------------------------
-def tag(kind, mb):
-    return 1 + 2 * mb + (kind == "grad")  # tag 0: the shapes, before training
-
-
-def agree_shapes(stage, comm, batch, seq_len, device):
-    """Before training, each stage learns what it will receive: rank r runs its stage on a probe of
-    its input and tells rank r+1 the shape and dtype of its output (metadata: pickled is fine).
-    Returns (shape, dtype) of the activations this rank receives and of the gradients."""
-    rank, n = comm.Get_rank(), comm.Get_size()
-    if rank == 0:
-        probe = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-    else:
-        shape, dtype = comm.recv(source=rank - 1, tag=0)
-        probe = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-    with torch.no_grad():
-        out = stage(probe)
-    if rank < n - 1:
-        comm.send((tuple(out.shape), str(out.dtype).removeprefix("torch.")), dest=rank + 1, tag=0)
-    return {"act": (probe.shape, probe.dtype), "grad": (out.shape, out.dtype)}
-
-
-class ActivationMeter:
-    """Micro-batches held between forward and backward, and the bytes autograd saved for them
-    (each storage once; parameters and buffers left out): the memory a schedule costs."""
-
-    def __init__(self, stage):
-        self.fixed = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
-        self.live, self.peak_count, self.peak_bytes, self.per_mb = {}, 0, 0, 0
-
-    @contextlib.contextmanager
-    def forward(self, mb):
-        saved = {}
-
-        def pack(t):  # called on every tensor autograd saves for backward
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self.live[mb] = sum(v for k, v in saved.items() if k not in self.fixed)
-        self.per_mb, self.peak_count = max(self.per_mb, self.live[mb]), max(self.peak_count, len(self.live))
-        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
-
-
-def train_step(stage, optimizer, actions, x, y, m, shapes, exchange, meter, timeline):
-    """One optimizer step: this rank's actions over M micro-batches. Returns on the last rank the
-    step's loss (the sum of the micro-batches' losses, each divided by M), elsewhere 0."""
-    rank, n = exchange.comm.Get_rank(), exchange.comm.Get_size()
-    xs, ys = x.chunk(m), y.chunk(m)
-    inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
-    optimizer.zero_grad(set_to_none=False)
-
-    def post(a):
-        kind = a.op.split("_")[1]
-        shape, dtype = shapes[kind]
-        recvs[a] = exchange.irecv(torch.empty(shape, dtype=dtype, device=x.device),
-                                  rank - 1 if kind == "act" else rank + 1, tag(kind, a.mb))
-
-    for k, a in enumerate(actions):
-        if a.op in ("forward", "backward"):  # post the next receive, to land while we compute
-            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_")), None)
-            if upcoming is not None and upcoming not in recvs:
-                post(upcoming)
-        if a.op.startswith("recv_"):
-            if a not in recvs:
-                post(a)
-            received[a] = recvs.pop(a).wait()  # idle until the peer's message is in
-        elif a.op == "forward":
-            with timeline.span("compute", f"F{a.mb}"), meter.forward(a.mb):
-                inp = xs[a.mb] if rank == 0 else received.pop(Action("recv_act", a.mb)).requires_grad_()
-                out = stage(inp)
-                if rank == n - 1:  # divided by M: the summed gradients are the whole batch's
-                    out = F.cross_entropy(out.flatten(0, 1), ys[a.mb].flatten()) / m
-                    total += out.item()
-            inputs[a.mb], outputs[a.mb] = inp, out
-        elif a.op == "backward":
-            with timeline.span("compute", f"B{a.mb}"):
-                outputs.pop(a.mb).backward(None if rank == n - 1 else received.pop(Action("recv_grad", a.mb)))
-            del meter.live[a.mb]
-            grads[a.mb] = inputs.pop(a.mb).grad
-        elif a.op == "send_act":
-            sends.append(exchange.isend(outputs[a.mb].detach(), rank + 1, tag("act", a.mb)))
-        elif a.op == "send_grad":
-            sends.append(exchange.isend(grads.pop(a.mb).contiguous(), rank - 1, tag("grad", a.mb)))
-        sends = [s for s in sends if not s.done()]
-    for s in sends:
-        s.wait()
-    with timeline.span("compute", "optimizer"):
+# --- Check against single-process training -----------------------------------
+def reference_training(args):
+    """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
+    model = build_model(args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    losses = []
+    for step in range(args.steps):
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
         optimizer.step()
-    return total
+        losses.append(loss.item())
+    return losses, model
 
+def check(comm, args, losses, stage, ranks):
+    """Rank 0 trains the reference on the CPU; the other ranks send it their stages' parameters,
+    one rank at a time, so that it never holds more than the reference and one stage. Every
+    rank gets the largest difference."""
+    flat, diff = torch.cat([p.detach().reshape(-1).cpu() for p in stage.parameters()]), None
+    if comm.Get_rank() != 0:
+        request = comm.Isend(flat, dest=0, tag=0)
+        while not request.Test():
+            time.sleep(POLL_S)  # leave the core to the reference
+        return comm.bcast(diff, root=0)
+    ref_losses, ref_model = reference_training(args)
+    diff = max_difference(losses, {}, ref_losses, ref_model)
+    for r in range(comm.Get_size()):
+        names, shapes = [], []
+        for s in (s for s in range(len(ranks)) if ranks[s] == r):  # a slice keeps the full model's names
+            for name, p in ref_model[stage_slice(args.layers, s, len(ranks))].named_parameters():
+                names.append(name)
+                shapes.append(p.shape)
+        if r:
+            flat = torch.empty(sum(shape.numel() for shape in shapes))
+            comm.Recv(flat, source=r, tag=0)
+        pieces = flat.split([shape.numel() for shape in shapes])
+        state = {name: piece.view(shape) for name, piece, shape in zip(names, pieces, shapes)}
+        diff = max(diff, max_difference(losses, state, ref_losses, ref_model))
+    return comm.bcast(diff, root=0)
 
-# -----------------------------------------------------------------------------
-# Checkpoints: a folder appears whole or not at all
-# -----------------------------------------------------------------------------
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's."""
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    ref_state = ref_model.state_dict()
+    for name, t in state.items():
+        diff = max(diff, (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item())
+    return diff
+
+# --- Report: header, progress, summary, --json, --trace ----------------------
+def print_header(comm, args, run, stage, ranks, resumed):
+    n, m, v = comm.Get_size(), args.micro_batches, args.virtual_stages
+    params = sum(p.numel() for p in build_model(args).parameters()) if comm.Get_rank() == 0 else 0
+    stage_params = comm.allgather(sum(p.numel() for p in stage.parameters()))
+    if resumed:
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
+                     f"(written by {resumed['world_size']} ranks)")
+    print0(comm, *run.header,
+           f"model: GPT, {args.layers} blocks x {args.hidden} hidden x {args.heads} heads, {params:,} parameters "
+           f"({4 * params / 1e6:.2f} MB) | text: {' + '.join(s + '.py' for s in SOURCES)}, "
+           f"{len(load_text()):,} characters",
+           f"stages: {describe_split(args.layers, ranks)} | parameters per rank: "
+           f"{' '.join(f'{k:,}' for k in stage_params)}",
+           f"schedule {args.schedule}{f' ({v} chunks per rank)' if v > 1 else ''} | global batch "
+           f"{args.batch_size} = {m} micro-batches x {args.batch_size // m} sequences of {args.seq_len} characters"
+           f" | between stages: {[args.batch_size // m, args.seq_len, args.hidden] if n > 1 else 'nothing'} "
+           f"float32 | dry run of every rank's actions: each send meets its receive, each input exists before "
+           f"use, no deadlock")
+
+def report(comm, args, run, ideal, ranks, stage, losses, records, window, counted, meter, resident, diff):
+    """The summary, the check's verdict and --json; returns the exit status."""
+    n, m, v, steps_run = comm.Get_size(), args.micro_batches, args.virtual_stages, max(1, len(records))
+    messages = comm.allreduce(counted.calls["Isend"] / steps_run)
+    sent = comm.allreduce(counted.bytes["Isend"] / steps_run)
+    (spans, ideal_peak), slots = ideal, max(e for row in ideal[0] for _, _, e in row)
+    width = len(f"B{m - 1}") + 1 + (v > 1)
+    measured = measured_timeline(comm, run.timeline, window, width, 2 * slots)
+    peaks = comm.allgather((meter.peak_count, meter.peak_bytes, meter.per_mb))
+    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
+    slowest = step_summary(comm, records)
+    theory, bubble, dry_bubble = bubble_theory(args.schedule, n, m, v), statistics.mean(waits), 1 - 3 * m * v / slots
+    bounds = [schedule_bound(args.schedule, n, m, r, v) for r in range(n)]
+    crossings = sum(a != b for a, b in zip(ranks, ranks[1:]))  # stage boundaries between two ranks
+    formula = 2 * crossings * args.batch_size * args.seq_len * args.hidden * 4
+    print0(comm, f"ideal timeline (the dry run; F/B/W: forward/backward/weights' gradients of micro-batch i, "
+                 f"one slot each, a whole backward B two{', a/b...: the chunk' if v > 1 else ''}; '.': idle) | "
+                 f"bubble {100 * dry_bubble:.0f}%:",
+           *draw_timeline(spans, slots, slots, width),
+           "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
+           *measured,
+           f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})", summary_line(slowest),
+           f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer (per rank "
+           f"{' '.join(f'{100 * w:.0f}%' for w in waits)}) | theory {THEORY[args.schedule]} = {100 * theory:.1f}%",
+           f"micro-batch chunks held at once (measured: tensors autograd keeps), peak per rank: "
+           f"{' '.join(str(p[0]) for p in peaks)} | bound {BOUND[args.schedule]}: {' '.join(map(str, bounds))} | "
+           f"saved activations at peak: {' '.join(f'{p[1] / 1e6:.2f}' for p in peaks)} MB (one chunk: at most "
+           f"{max(p[2] for p in peaks) / 1e6:.2f} MB) | resident memory per rank: "
+           f"{' '.join(f'{b / 1e6:.0f}' for b in resident)} MB",
+           f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; 2K x B x T x H x 4 = "
+           f"{formula:,} with K = {crossings} stage boundaries between ranks | no collective in the step")
+    ok = verdict(comm, diff, "losses, parameters")
+    if args.json:
+        print0(comm, json.dumps({
+            **house_keys(comm, args, run, losses, slowest, diff),
+            "comm_bytes_per_step": sent, "collectives_per_step": 0, "schedule": args.schedule,
+            "micro_batches": m, "virtual_stages": v, "messages_per_step": messages,
+            "layer_split": layer_split(args.layers, n * v), "stage_ranks": ranks,
+            "stage_params": comm.allgather(sum(p.numel() for p in stage.parameters())),
+            "bubble_fraction": bubble, "bubble_fraction_ranks": waits, "bubble_fraction_theory": theory,
+            "bubble_fraction_dry_run": dry_bubble, "peak_activations": [p[0] for p in peaks],
+            "peak_activations_bound": bounds, "peak_activations_dry_run": ideal_peak,
+            "peak_activation_bytes": [p[1] for p in peaks], "activation_bytes_per_micro_batch": [p[2] for p in peaks],
+            "resident_bytes": resident}))
+    return 0 if ok else 1
+
+def draw_timeline(rows, length, columns, width):
+    """One line per rank, [0, length) cut into equal cells: a cell shows the span over its middle,
+    else '.' (idle or communicating); a span too short to cover a middle shows in its cell if free."""
+    lines, cell = [], length / columns
+    for r, spans in enumerate(rows):
+        cells, short = ["."] * columns, []
+        for name, s, e in spans:
+            covered = range(math.ceil(s / cell - 0.5), min(columns, math.ceil(e / cell - 0.5)))
+            for c in covered:
+                cells[c] = name
+            if not covered:
+                short.append((name, min(columns - 1, int((s + e) / 2 / cell))))
+        for name, c in short:
+            cells[c] = name if cells[c] == "." else cells[c]
+        lines.append(f"rank {r} | " + "".join(c.ljust(width) for c in cells).rstrip())
+    return lines
+
+def measured_timeline(comm, timeline, window, width, most):
+    """The last step as every rank lived it, from rank 0's start, which runs the first forward, to
+    the end of the last rank to finish. A cell lasts a typical forward, the fastest rank's median."""
+    ends = comm.allgather(window)
+    first, last = ends[0][0], max(e for _, e in ends)
+    rows = comm.gather([("o" if name == "optimizer" else name, max(0.0, s - first), e - first)
+                        for name, cat, s, e in timeline.events if cat == "compute" and s >= window[0]], root=0)
+    if comm.Get_rank() != 0:
+        return []
+    forward = min(statistics.median([e - s for name, s, e in row if name[0] == "F"] or [last - first])
+                  for row in rows)
+    columns = max(1, min(most, round((last - first) / forward)))
+    return draw_timeline(rows, last - first, columns, width) + \
+        [f"         one cell {(last - first) / columns * 1e3:.2f} ms, the step {(last - first) * 1e3:.1f} ms"]
+
+def resident_bytes():
+    """This process's resident memory now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/statm") as stream:
+            return int(stream.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def print_progress(comm, args, step, loss, record):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
+                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+
+def summary_line(slowest):
+    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
+
+def verdict(comm, diff, compared):
+    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+    ok = diff is None or diff <= TOLERANCE
+    if diff is not None:
+        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
+                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+def house_keys(comm, args, run, losses, slowest, diff):
+    """The JSON keys every strategy file reports."""
+    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
+            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
+
+def step_summary(comm, records):
+    """Medians over steps after the first, of the slowest rank (by median step time)."""
+    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
+               for rank_records in comm.allgather(records)]
+    return max(medians, key=lambda m: m["step_s"])
+
+def write_trace(comm, timeline, path):
+    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
+    events = comm.gather(timeline.events, root=0)
+    if comm.Get_rank() == 0:
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
+        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
+                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
+        with open(path, "w") as out:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
+
+def print0(comm, *lines, file=sys.stdout):
+    if comm.Get_rank() == 0:  # rank 0 alone prints
+        print(*lines, sep="\n", file=file, flush=True)
+
+# --- Checkpoints: a folder appears whole or not at all ------------------------
 def checkpoints(root):
     """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
     names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
                    if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
     return [os.path.join(root, n) for n in names]
 
-
 def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
+    with open(path, "rb") as stream:
+        return hashlib.sha256(stream.read()).hexdigest()
 
 def write_durably(path, data):
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
+    with open(path, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
     """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
     manifest and renames the folder to step-N: a job killed before the rename leaves the
-    previous checkpoint as it was. The folder must be on a file system every rank sees."""
-    final = os.path.join(root, f"step-{step:06d}")
-    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
+    every rank with one line, the previous checkpoint whole."""
+    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    files, error = {}, None
     if comm.Get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
     comm.Barrier()
-    files = {}
-    if shard is not None:
-        name = f"rank-{comm.Get_rank()}.pt"
-        with open(os.path.join(tmp, name), "wb") as f:
-            torch.save(shard, f)
-            f.flush()
-            os.fsync(f.fileno())
-        files[name] = sha256(os.path.join(tmp, name))
-    inject_failure(comm, step, "save")
-    every = comm.gather(files, root=0)
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        inject_failure(comm, step, "save")
+        if shard is not None:
+            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
+            torch.save(shard, stream)
+            write_durably(os.path.join(tmp, name), stream.getvalue())
+            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+    except OSError as e:
+        error = f"rank {comm.Get_rank()}: {e}"
+    gathered = comm.gather((files, error), root=0)
     if comm.Get_rank() == 0:
-        manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
-                    "step": step, "files": {k: v for d in every for k, v in d.items()}}
-        write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # atomic: the checkpoint is now complete
-        fd = os.open(root, os.O_RDONLY)
-        os.fsync(fd)  # make the rename itself durable
-        os.close(fd)
-        for old in checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
-    comm.Barrier()
-
+        error = next((e for _, e in gathered if e), None)
+        try:
+            if error is None:
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # atomic: the checkpoint is now complete
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)  # make the rename itself durable
+                os.close(fd)
+                for old in checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (checkpoints(root) or ["none"])[-1]
+        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
+                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
     """The latest complete checkpoint's manifest and the shard this rank needs, verified.
@@ -680,8 +955,8 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
             raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
                               f"start without --resume to create one")
         path = found[-1]
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
+        with open(os.path.join(path, "manifest.json")) as stream:
+            manifest = json.load(stream)
         if manifest["strategy"] != STRATEGY:
             raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
         if manifest["step"] >= steps:
@@ -705,255 +980,307 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         raise ConfigError(errors[0])
     return manifest, shard
 
+# --- Counters and timeline: measured around the strategy's own MPI calls -----
+class Timeline:
+    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
+    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
+    (step_record), so that timing never stalls the device in the middle of a step."""
 
-# -----------------------------------------------------------------------------
-# Check against single-process training
-# -----------------------------------------------------------------------------
-def reference_training(args, device):
-    """The same steps in one plain process: the unsplit model on the whole batch at once."""
-    model = build_model(args, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    losses = []
-    for step in range(args.steps):
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
+        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
 
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-def check(args, exchange, device, losses, model, stage):
-    """Largest |difference| in losses and in final parameters. Rank 0 trains the reference and
-    broadcasts its parameters; each rank compares those of its own stage."""
-    comm, diff = exchange.comm, 0.0
-    where, at = {}, 0  # parameter -> its place in the flat vector of all parameters
-    for p in model.parameters():
-        where[p], at = (at, at + p.numel()), at + p.numel()
-    flat = torch.empty(at, device=device)
-    if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args, device)
-        diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        flat = torch.cat([p.detach().reshape(-1) for p in ref_model.parameters()])
-    wait_quietly(comm)
-    exchange.bcast(flat, root=0)
-    for p in stage.parameters():
-        lo, hi = where[p]
-        diff = max(diff, (p.detach().reshape(-1).double() - flat[lo:hi].double()).abs().max().item())
-    return comm.allreduce(diff, op=MPI.MAX)
+    def _seconds(self, mark):
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
 
-
-# -----------------------------------------------------------------------------
-# Report
-# -----------------------------------------------------------------------------
-def step_summary(comm, records):
-    """Medians over steps after the first, of the slowest rank (by median step time)."""
-    per_rank = comm.allgather(records)
-    medians = []
-    for recs in per_rank:
-        recs = recs[1:] or recs
-        medians.append({k: statistics.median(r.get(k, 0.0) for r in recs)
-                        for k in ("step_s", "compute_s", "comm_s", "idle_s")})
-    return max(medians, key=lambda m: m["step_s"]), medians
-
-
-def draw_timeline(rows, length, columns, width):
-    """One line per rank, [0, length) cut into equal cells: a cell shows the span over its middle,
-    else '.' (idle or communicating); a span too short to cover a middle shows in its cell if free."""
-    lines, cell = [], length / columns
-    for r, spans in enumerate(rows):
-        cells, short = ["."] * columns, []
-        for name, s, e in spans:
-            covered = range(math.ceil(s / cell - 0.5), min(columns, math.ceil(e / cell - 0.5)))
-            for c in covered:
-                cells[c] = name
-            if not covered:
-                short.append((name, min(columns - 1, int((s + e) / 2 / cell))))
-        for name, c in short:
-            cells[c] = name if cells[c] == "." else cells[c]
-        lines.append(f"rank {r} | " + "".join(c.ljust(width) for c in cells).rstrip())
-    return lines
-
-
-def measured_timeline(comm, timeline, window, t0, width, most):
-    """The last step as every rank lived it (on its clock since the barrier before training), from
-    rank 0's start, which runs the first forward, to the end of the last rank to finish. A cell
-    lasts a typical forward, the fastest rank's median, so that a backward shows about twice."""
-    ends = comm.allgather((window[0] - t0, window[1] - t0))
-    first, last = ends[0][0], max(e for _, e in ends)
-    rows = comm.gather([("o" if name == "optimizer" else name, max(0.0, s - t0 - first), e - t0 - first)
-                        for name, cat, s, e in timeline.events
-                        if cat == "compute" and s >= window[0]], root=0)
-    if comm.Get_rank() != 0:
-        return []
-    forward = min(statistics.median([e - s for name, s, e in row if name[0] == "F"] or [last - first])
-                  for row in rows)
-    columns = max(1, min(most, round((last - first) / forward)))
-    return draw_timeline(rows, last - first, columns, width) + \
-        [f"         one cell {(last - first) / columns * 1e3:.2f} ms, the step {(last - first) * 1e3:.1f} ms"]
-
-
-def write_trace(comm, timeline, path, t0):
-    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
-    events = comm.gather([(n, c, s - t0, e - t0) for n, c, s, e in timeline.events], root=0)
-    if comm.Get_rank() != 0:
-        return
-    trace = []
-    for rank, evs in enumerate(events):
-        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
-        trace += [{"name": n, "cat": c, "ph": "X", "pid": rank, "tid": 0,
-                   "ts": s * 1e6, "dur": (e - s) * 1e6} for n, c, s, e in evs]
-    with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-
-
-def say(comm, *lines):
-    if comm.Get_rank() == 0:
-        print(*lines, sep="\n", flush=True)
-
-
-# -----------------------------------------------------------------------------
-# main
-# -----------------------------------------------------------------------------
-def main(argv=None, comm=MPI.COMM_WORLD):
-    rank, world_size = comm.Get_rank(), comm.Get_size()
-    try:
-        args = parse_args(argv, world_size)
-    except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    device = setup_device(comm, args.device)
-    cuda_aware = device.type == "cuda" and mpi_cuda_aware(comm)
-    timeline = Timeline(device)
-    exchange = Exchange(comm, timeline, cuda_aware)
-
-    # Every rank makes and proves the lists of all ranks, so all reach the same verdict.
-    n, m = world_size, args.micro_batches
-    schedules = [SCHEDULES[args.schedule](n, m, r) for r in range(n)]
-    ideal, ideal_peak = dry_run(schedules, m)
-    slots = max(e for row in ideal for _, _, e in row)
-
-    model = build_model(args, device)  # whole on every rank, from the seed; each keeps its stage
-    stage = stage_of(model, rank, n)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-    config = {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-              "seq_len": args.seq_len, "vocab": VOCAB}  # the network the shards belong to
-    done = []
-    if args.resume:
+    @contextlib.contextmanager
+    def span(self, cat, name):
+        start, children = self._mark(), []
+        self.open.append(children)
         try:
-            manifest, shard = load_checkpoint(comm, args.save, config, lambda m: f"rank-{rank}.pt",
-                                              args.steps, same_world_size=True)
-        except ConfigError as e:
-            if rank == 0:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            return 2
-        stage.load_state_dict(shard["model"])
-        optimizer.load_state_dict(shard["optimizer"])
-        done = shard["losses"]
-        say(comm, f"resumed from {args.save} at step {manifest['step']} "
-                  f"(written by {manifest['world_size']} ranks)")
-    shapes = agree_shapes(stage, comm, args.batch_size // m, args.seq_len, device)
-    meter = ActivationMeter(stage)
-    params = sum(p.numel() for p in model.parameters())
-    stage_params = comm.allgather(sum(p.numel() for p in stage.parameters()))
-    transport = "n/a (CPU)" if device.type == "cpu" else (
-        "direct (CUDA-aware MPI)" if cuda_aware else "staged through host memory")
-    say(comm, f"{STRATEGY} | {world_size} ranks | device {device.type} | {mpi_library()}",
-        f"CUDA buffers: {transport} | model: GPT, {args.layers} blocks x {args.hidden} hidden x "
-        f"{args.heads} heads, {params:,} parameters ({4 * params / 1e6:.2f} MB) | text: "
-        f"{' + '.join(s + '.py' for s in SOURCES)}, {len(load_text()):,} characters",
-        f"stages: {describe_split(args.layers, n)} | parameters per rank: "
-        f"{' '.join(f'{k:,}' for k in stage_params)}",
-        f"schedule {args.schedule} | global batch {args.batch_size} = {m} micro-batches x "
-        f"{args.batch_size // m} sequences of {args.seq_len} characters | between stages: "
-        f"{list(shapes['grad'][0]) if n > 1 else 'nothing'} float32 | dry run of every rank's "
-        f"actions: each send meets its receive, each input exists before use, no deadlock")
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    if device.type == "cpu" and node.Get_size() > (os.cpu_count() or 1):
-        say(comm, f"note: {node.Get_size()} ranks share {os.cpu_count()} CPU cores, so stages that "
-                  f"could compute at once take turns, and the measured bubble includes that wait")
+            yield
+        finally:
+            self.open.pop()
+            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
+
+    def step_record(self, start):
+        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
+        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once a step: every event of the step has happened
+        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+
+        def own_time(name, cat, start_mark, end_mark, children):
+            begin, end = self._seconds(start_mark), self._seconds(end_mark)
+            self.events.append((name, cat, begin, end))
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            return end - begin
+
+        for span in self.closed:
+            own_time(*span)
+        self.closed = []
+        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
+        return record
+
+class CountedComm:
+    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
+    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
+    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
+    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+
+    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
+               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
+
+    def __init__(self, comm, timeline):
+        self.comm, self.timeline = comm, timeline
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def reset(self):
+        self.calls.clear(), self.bytes.clear()
+
+    def __getattr__(self, name):
+        call = getattr(self.comm, name)
+        if name not in self.COUNTED:
+            return call
+
+        def counted(*args, **kwargs):
+            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
+            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+            self.calls[name] += 1
+            self.bytes[name] += buffer.numel() * buffer.element_size()
+            with self.timeline.span("comm", name):
+                result = call(*args, **kwargs)
+            if not isinstance(result, MPI.Request):
+                return result
+            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
+        return counted
+
+class CountedRequest:
+    def __init__(self, request, timeline, cat, name):
+        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
+
+    def Test(self):
+        return self.request.Test()
+
+    def Wait(self):
+        with self.timeline.span(self.cat, self.name + " wait"):
+            while not self.request.Test():
+                time.sleep(POLL_S)
+
+# --- Device and MPI setup -----------------------------------------------------
+def setup(comm, args):
+    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    global CUDA_AWARE
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
+    local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
+    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    if args.device == "cuda" or (args.device == "auto" and gpus):
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+        check_thread_level(MPI.Query_thread())
+        CUDA_AWARE = mpi_cuda_aware(comm)
+        if args.check:  # float32 against float32: no TF32 in the run or in the reference
+            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
+    else:
+        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
+        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
+        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+    comm.Barrier()  # the timeline's zero, about the same moment on every rank
+    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
 
+def mpi_cuda_aware(comm):
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
+    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        kinds = None
+    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    forced = os.environ.get("MPI_CUDA_AWARE")
+    if forced == "1" and says is False:
+        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
+                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
+                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
+    return forced == "1" if forced in ("0", "1") else bool(says)
+
+def cuda_in_kinds(kinds):
+    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
+    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
+    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
+
+def mpix_query_cuda_support():
+    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
+    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
+    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    return None
+
+def check_thread_level(provided):
+    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
+    if provided < MPI.THREAD_SERIALIZED:
+        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
+                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
+                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
+
+def mpi_library():
+    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
+    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
+    return text.strip().splitlines()[0].strip()
+
+def inject_failure(comm, step, during="step", model=None):
+    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
+    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
+    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
+    spec = os.environ.get("FAIL_AT", "")
+    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
+    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
+        return
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "oserror":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
+    if how != "nudge":
+        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
+
+# --- Arguments, and the paths a run will write, checked before anything is built
+class ConfigError(Exception):
+    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
+    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
+
+    def __init__(self, message, status=2):
+        super().__init__(message)
+        self.status = status
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage on every rank."""
+
+    def error(self, message):
+        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
+                          else message)
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+def checked(kind, ok, must):
+    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
+        return value
+    return parse
+
+COUNT = checked(int, lambda v: v > 0, "a positive integer")
+COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
+AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+
+def common_arguments(description, steps, batch_size, lr, log_every):
+    p = Parser(description=description)
+    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
+    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with single-process training (default: on)")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
+    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    return p
+
+def check_common(args):
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return args
+
+def parse_args(argv, world_size):
+    p = common_arguments("Pipeline parallelism over MPI: a small GPT on Python's own source.",
+                         steps=60, batch_size=16, lr=0.2, log_every=20)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    p.add_argument("--micro-batches", type=COUNT, default=8, help="micro-batches per global batch")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="pipeline schedule")
+    p.add_argument("--virtual-stages", type=COUNT, default=None,
+                   help="chunks of layers per rank for --schedule interleaved (default 2)")
+    args = check_common(p.parse_args(argv))
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
+                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
+    if args.seq_len > len(load_text()) - 2:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
+    if args.layers < world_size:
+        raise ConfigError(f"--layers {args.layers} cannot fill {world_size} stages, one per rank; "
+                          f"use --layers {world_size} or more, or at most {args.layers} ranks")
+    if args.batch_size % args.micro_batches:
+        works = ", ".join(str(m) for m in range(1, args.batch_size + 1) if args.batch_size % m == 0)
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {args.micro_batches} "
+                          f"micro-batches; use --micro-batches {works}, or a --batch-size multiple "
+                          f"of {args.micro_batches}")
+    if args.virtual_stages is not None and args.schedule != "interleaved":
+        raise ConfigError(f"--virtual-stages {args.virtual_stages}: use it with --schedule interleaved only "
+                          f"(zbv always has 2 chunks per rank, the others 1)")
+    args.virtual_stages = chunks_of(args.schedule, args.virtual_stages or 2)
+    if args.schedule == "interleaved" and args.micro_batches % world_size:
+        works = [m for m in range(world_size, args.batch_size + 1, world_size) if args.batch_size % m == 0]
+        raise ConfigError(f"--schedule interleaved runs the micro-batches in groups of N = {world_size}: use "
+                          + (f"--micro-batches {', '.join(map(str, works))}" if works else
+                             f"a --batch-size multiple of {world_size}") + f", not {args.micro_batches}")
+    return args
+
+def check_paths(comm, args):
+    """Before anything is built, each rank tries what it will write: --save, a folder (made if
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    rank, error = comm.Get_rank(), None
+    try:
+        if args.save:
+            if os.path.exists(args.save) and not os.path.isdir(args.save):
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", args.save)
+            os.makedirs(args.save, exist_ok=True)
+            write_durably(os.path.join(args.save, f".probe-{rank}"), b"")
+        if args.trace and rank == 0:
+            open(args.trace, "a").close()
+    except OSError as e:
+        error = f"cannot write {e.filename}: {e.strerror}"
     comm.Barrier()
-    t0 = time.perf_counter()
-    losses, records, window = list(done), [], None
-    for step in range(len(done), args.steps):
-        inject_failure(comm, step)
-        start = time.perf_counter()
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        losses.append(train_step(stage, optimizer, schedules[rank], x, y, m, shapes, exchange,
-                                 meter, timeline))
-        sync(device)
-        window = (start, time.perf_counter())
-        record = {"step_s": window[1] - start, **{f"{k}_s": v for k, v in timeline.take().items()}}
-        record["wait_s"] = record.pop("idle_s", 0.0)  # blocked on a peer: the bubble
-        record["idle_s"] = max(0.0, record["step_s"] - record.get("compute_s", 0) - record.get("comm_s", 0))
-        records.append(record)
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            loss = comm.bcast(losses[-1], root=n - 1)  # reporting only, not counted
-            say(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | "
-                      f"{record['step_s'] * 1e3:.1f} ms/step | comm {record.get('comm_s', 0) * 1e3:.1f} ms | "
-                      f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-                     "losses": comm.bcast(losses, root=n - 1)}  # the last rank computed them
-            save_checkpoint(comm, args.save, step + 1, shard, config)
-    ran = max(1, args.steps - len(done))  # per-step counts: the training exchanges only
-    messages, sent = (comm.allreduce(count["send"] / ran) for count in (exchange.calls, exchange.bytes))
-
-    # The last rank computed the losses; every rank gets them.
-    losses = exchange.bcast(torch.tensor(losses, dtype=torch.float64), root=n - 1).tolist()
-    width = len(f"B{m - 1}") + 1
-    measured = measured_timeline(comm, timeline, window, t0, width, 2 * slots)
-    peaks = comm.allgather((meter.peak_count, meter.peak_bytes, meter.per_mb))
-    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
-    diff = check(args, exchange, device, losses, model, stage) if args.check else None
-    if args.trace:
-        write_trace(comm, timeline, args.trace, t0)
-
-    slowest, _ = step_summary(comm, records)
-    theory, bubble, dry_bubble = (n - 1) / (m + n - 1), statistics.mean(waits), 1 - 2 * m / slots
-    bounds = [schedule_bound(args.schedule, n, m, r) for r in range(n)]
-    formula = 2 * (n - 1) * args.batch_size * args.seq_len * args.hidden * 4
-    say(comm, f"ideal timeline (the dry run; F/B: forward/backward of micro-batch i, one slot each, "
-              f"'.': idle) | bubble {100 * dry_bubble:.0f}%:",
-        *draw_timeline(ideal, slots, slots, width),
-        "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
-        *measured,
-        f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})",
-        f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
-        f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
-        f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer (per rank "
-        f"{' '.join(f'{100 * w:.0f}%' for w in waits)}) | theory (N-1)/(M+N-1) = {n - 1}/{m + n - 1} "
-        f"= {100 * theory:.0f}%",
-        f"micro-batches held at once, peak per rank: {' '.join(str(p[0]) for p in peaks)} | bound "
-        f"{'M' if args.schedule == 'gpipe' else 'min(M, N - rank)'}: {' '.join(map(str, bounds))} | "
-        f"saved activations at peak: {' '.join(f'{p[1] / 1e6:.2f}' for p in peaks)} MB "
-        f"(one micro-batch: at most {max(p[2] for p in peaks) / 1e6:.2f} MB)",
-        f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
-        f"2(N-1) x B x T x H x 4 = {formula:,} | no collective in the step")
-    ok = diff is None or diff <= TOLERANCE
-    if diff is not None:
-        say(comm, f"check against single-process training: max |diff| {diff:.2e} "
-                  f"(losses, parameters; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
-    if args.json:
-        say(comm, json.dumps({
-            "strategy": STRATEGY, "world_size": world_size, "device": device.type,
-            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
-            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
-            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"],
-            "comm_bytes_per_step": sent, "collectives_per_step": 0,
-            "check_max_abs_diff": diff, "schedule": args.schedule, "micro_batches": m,
-            "messages_per_step": messages, "layer_split": layer_split(args.layers, n),
-            "stage_params": stage_params, "bubble_fraction": bubble, "bubble_fraction_ranks": waits,
-            "bubble_fraction_theory": theory, "bubble_fraction_dry_run": dry_bubble,
-            "peak_activations": [p[0] for p in peaks], "peak_activations_bound": bounds,
-            "peak_activations_dry_run": ideal_peak, "peak_activation_bytes": [p[1] for p in peaks],
-            "activation_bytes_per_micro_batch": [p[2] for p in peaks]}))
-    return 0 if ok else 1
-
+    if args.save and error is None:  # a folder on a node-local disk hides the other nodes' probes
+        unseen = [r for r in range(comm.Get_size()) if not os.path.exists(os.path.join(args.save, f".probe-{r}"))]
+        error = unseen and (f"--save {args.save}: rank {rank} does not see the files of rank(s) "
+                            f"{', '.join(map(str, unseen))}; checkpoints need a folder every rank shares")
+    errors = [e for e in comm.allgather(error) if e]
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(os.path.join(args.save, f".probe-{rank}"))
+    if errors:
+        raise ConfigError(errors[0])
 
 def abort_on_exception(kind, value, tb):
     """An exception on one rank must end the whole job, not leave the others in a collective."""
@@ -961,7 +1288,6 @@ def abort_on_exception(kind, value, tb):
     text = "".join(traceback.format_exception(kind, value, tb))
     print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
     MPI.COMM_WORLD.Abort(1)
-
 
 if __name__ == "__main__":
     sys.excepthook = abort_on_exception
