@@ -727,12 +727,11 @@ def check(comm, args, losses, stage, ranks):
 
 def max_difference(losses, state, ref_losses, ref_model):
     """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
-    whole model or of a part of it) against the reference model's."""
-    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
     ref_state = ref_model.state_dict()
-    for name, t in state.items():
-        diff = max(diff, (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item())
-    return diff
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: header, progress, summary, --json, --trace ----------------------
 def print_header(comm, args, run, stage, ranks, resumed):
@@ -880,9 +879,9 @@ def write_trace(comm, timeline, path):
         with open(path, "w") as out:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
 
-def print0(comm, *lines, file=sys.stdout):
-    if comm.Get_rank() == 0:  # rank 0 alone prints
-        print(*lines, sep="\n", file=file, flush=True)
+def print0(comm, *lines, file=None):
+    if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
+        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
 
 # --- Checkpoints: a folder appears whole or not at all ------------------------
 def checkpoints(root):
