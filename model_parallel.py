@@ -99,13 +99,15 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline):
         grad = torch.empty(shapes["grad"][0], dtype=shapes["grad"][1], device=x.device)
         buffer = mpi_receive_buffer(grad)
         receive = comm.Irecv(buffer, source=rank + 1, tag=TAGS["grad"])  # posted first: ready for the answer
-        comm.Isend(mpi_buffer(out.detach()), dest=rank + 1, tag=TAGS["act"]).Wait()
+        sent = mpi_buffer(out.detach())  # held until the send is done: MPI reads it meanwhile
+        comm.Isend(sent, dest=rank + 1, tag=TAGS["act"]).Wait()
         receive.Wait()
         from_mpi(grad, buffer)
     with timeline.span("compute", "B"):
         out.backward(grad)
     if rank > 0:
-        comm.Isend(mpi_buffer(inp.grad.contiguous()), dest=rank - 1, tag=TAGS["grad"]).Wait()
+        sent = mpi_buffer(inp.grad.contiguous())
+        comm.Isend(sent, dest=rank - 1, tag=TAGS["grad"]).Wait()
     with timeline.span("compute", "optimizer"):
         optimizer.step()
     return out.item() if rank == n - 1 else 0.0
