@@ -1,5 +1,6 @@
 """sharded_data_parallel.py: ZeRO's pieces on sub-communicators of sizes 1 to 4, then the script
 as launched."""
+import json
 import shutil
 
 import pytest
@@ -175,3 +176,19 @@ def test_a_nudged_parameter_makes_the_check_fail():
                     env=clean_env(FAIL_AT="0:2:nudge"))
     assert result.returncode == 1, result.stdout + result.stderr
     assert "-> FAIL" in result.stdout
+
+
+@pytest.mark.e2e
+def test_stage_2_starts_its_reduce_scatters_inside_backward(tmp_path):
+    """Overlap where it is claimed: in the trace, each rank starts a layer's reduce-scatter while
+    its backward span is open, every step (a reduce-scatter started after backward fails this)."""
+    path = tmp_path / "trace.json"
+    result = launch("sharded_data_parallel.py", 2, "--zero-stage", "2", "--steps", "3", "--no-check",
+                    "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8", "--trace", path)
+    assert result.returncode == 0, result.stderr
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in range(2):
+        backward = [e for e in spans if e["pid"] == rank and e["name"] == "backward"]
+        starts = [e["ts"] for e in spans if e["pid"] == rank and e["name"] == "Ireduce_scatter_block"]
+        inside = [b for b in backward if any(b["ts"] <= t <= b["ts"] + b["dur"] for t in starts)]
+        assert len(backward) == 3 and len(inside) == 3, (rank, len(backward), len(inside))
