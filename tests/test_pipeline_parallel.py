@@ -98,6 +98,64 @@ def test_zero_bubble_schedules_cut_1f1b_bubble_at_the_same_peak_memory(n):
         assert max(peak_h1) <= max(peak_1f1b) and max(peak_v) / 2 <= max(peak_1f1b)
 
 
+def gaps(spans):
+    """Per rank, the idle slots between its own first action and its last: the bubble that is left
+    when each rank starts its next step as soon as it is done with this one."""
+    return [max(e for *_, e in row) - min(b for _, b, _ in row) - sum(e - b for _, b, e in row) for row in spans]
+
+
+def gap_free_zbv(n, m):
+    """ZB-V lists in which no rank idles inside its busy window (rank r busy from slot r to 6M + r),
+    at 1F1B's peak of 2N chunks held from F to W, by depth-first search over each slot's choice;
+    None if there are none. Exponential in general: for small N and M only."""
+    last, done, held = 2 * n - 1, {}, [0] * n
+    nxt = {(op, s): 0 for op in pp.COST for s in range(2 * n)}
+    orders = [[] for _ in range(n)]
+
+    def options(r, clock):
+        ready = lambda key: done.get(key, clock + 1) <= clock
+        for s in (r, last - r):
+            i, j, k = nxt["forward", s], nxt["backward_input", s], nxt["backward_weight", s]
+            if j < m and ready(("forward", j, s)) and (s == last or ready(("backward_input", j, s + 1))):
+                yield "backward_input", j, s
+            if i < m and held[r] < 2 * n and (s == 0 or ready(("forward", i, s - 1))):
+                yield "forward", i, s
+            if k < j and ready(("backward_input", k, s)):
+                yield "backward_weight", k, s
+
+    def fill(clock, r):
+        if r == n:
+            return clock + 1 == 6 * m + n - 1 or fill(clock + 1, 0)
+        if not r <= clock < 6 * m + r:
+            return fill(clock, r + 1)
+        for op, i, s in list(options(r, clock)):
+            done[op, i, s], change = clock + 1, {"forward": 1, "backward_weight": -1}.get(op, 0)
+            nxt[op, s], held[r] = nxt[op, s] + 1, held[r] + change
+            orders[r].append((op, i, s))
+            if fill(clock, r + 1):
+                return True
+            orders[r].pop()
+            nxt[op, s], held[r] = nxt[op, s] - 1, held[r] - change
+            del done[op, i, s]
+        return False
+    return [pp.expand(order, last) for order in orders] if fill(0, 0) else None
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (3, 6), (4, 8)])
+def test_inside_each_rank_busy_window_zbv_can_leave_no_gap_and_this_file_leaves_few(n, m):
+    """The paper's zero bubble counts only the gaps inside each rank's busy window. By that measure
+    1F1B idles 3(N-1) stage slots on rank 0 and ZB-H1 N-1; ZB-V lists without a gap exist at 1F1B's
+    peak memory (the search finds them, and the dry run proves them), while this file's greedy
+    lists leave rank 0 a gap of 1 half-stage slot at N = 2 and 3, and 3 at N = 4 (the README's
+    figures)."""
+    assert gaps(ideal("1f1b", n, m)[0])[0] == 3 * (n - 1) and gaps(ideal("zb-h1", n, m)[0])[0] == n - 1
+    ranks = [pp.stage_rank("zbv", n, s) for s in range(2 * n)]
+    found = gap_free_zbv(n, m)
+    spans, peak = pp.dry_run(found, m, ranks)
+    assert gaps(spans) == [0] * n and max(peak) <= 2 * n
+    assert gaps(ideal("zbv", n, m, 2)[0]) == {2: [1, 0], 3: [1, 0, 0], 4: [3, 1, 0, 0]}[n]
+
+
 def broken(kind):
     """Deliberately broken versions of the 2-rank, 2-micro-batch schedules."""
     good, _ = lists("zbv" if kind == "stage on the wrong rank" else "zb-h1" if "W" in kind else "1f1b", 2, 2,
@@ -247,10 +305,12 @@ def test_launches_agree_across_world_sizes_schedules_and_micro_batches(tmp_path)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_killed_job_resumes_to_the_checked_result_under_every_schedule(schedule, tmp_path):
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1", "zbv"])
+def test_killed_job_resumes_to_the_checked_result_under_the_chunked_and_split_schedules(schedule, tmp_path):
     """Killed at step 3 after the checkpoint of step 2; the resumed job's check replays all 4 steps
-    in one process and must pass, with the losses of the steps before the kill kept."""
+    in one process and must pass, with the losses of the steps before the kill kept. The schedules
+    whose ranks hold several chunks or split the backward; 1f1b's resume is in test_checkpoints.py,
+    and gpipe's stages are 1f1b's."""
     flags = TINY[:-4] + ["--steps", 4, "--micro-batches", 4, "--schedule", schedule, "--save", tmp_path,
                          "--save-every", 2, "--json"]
     killed = launch("pipeline_parallel.py", 2, *flags, "--no-check", timeout=90, env=clean_env(FAIL_AT="1:2:kill"))
