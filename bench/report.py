@@ -378,7 +378,8 @@ def sharded(meta, runs, cores):
             formula = r.get("memory_bytes_formula")
             rows.append([where, c["label"], step_cell(c), ratio_cell(c, peer) if mine else "–",
                          ratio_cell(c, ddp), memory_cell(r.get("memory_bytes_per_rank")),
-                         mb(formula["total"]) if formula else "–", sent, sci(loss_diff(c, counterpart(j, c)))])
+                         mb(formula["total"]) if formula else "–", sent,
+                         sci(loss_diff(c, counterpart(j, c)))])
     return lines + table(head, rows) + load_line([j for _, j in jobs])
 
 
