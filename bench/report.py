@@ -534,8 +534,8 @@ def sharded_findings(j, where):
                        f"{mb(a['gathered'])} MB).")
     diffs = [d for d in (loss_diff(c, counterpart(j, c)) for c in j["result"]["cases"]) if d is not None]
     if diffs:
-        agree = "are identical" if max(diffs) == 0 else f"agree to within {max(diffs):.1e}"
-        out.append(f"{where}: the loss curves of {plural(len(diffs), 'run')} {agree} with their "
+        agree = "are identical to" if max(diffs) == 0 else f"agree to within {max(diffs):.1e} with"
+        out.append(f"{where}: the loss curves of {plural(len(diffs), 'run')} {agree} their "
                    f"counterpart's over {plural(j['result']['steps'], 'step')}: the same training, whichever "
                    "implementation shards it.")
     return out
