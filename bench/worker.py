@@ -370,8 +370,8 @@ def counted_collectives():
 
 
 def counted_allreduce_hook(process_group, bucket):
-    """DDP's own allreduce of a bucket (PyTorch's reference hook, the same arithmetic as without a
-    hook), through dist.all_reduce so that counted_collectives() sees its bytes."""
+    """What DDP's reference allreduce_hook does with a bucket (divide by N, allreduce: the same
+    arithmetic as without a hook), through dist.all_reduce so that counted_collectives() sees it."""
     group = process_group or dist.group.WORLD
     buffer = bucket.buffer().div_(group.size())
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
