@@ -311,6 +311,78 @@ def tensor_parallel(meta, runs, cores):
     return lines + table(head, rows)
 
 
+def mb(n):
+    return "–" if n is None else f"{n / 1e6:.2f}"
+
+
+def memory_cell(memory):
+    """Bytes a rank holds, in MB: parameters / gradients / optimizer state / whole layers gathered
+    at once (their peak) = total."""
+    if not memory:
+        return "–"
+    return (" / ".join(mb(memory.get(k, 0)) for k in ("parameters", "gradients", "optimizer", "gathered"))
+            + f" = {mb(memory['total'])}")
+
+
+def counterpart(j, c):
+    """Whose loss curve a ZeRO row is compared with: ours with DDP + AdamW (unsharded), a peer with
+    our run of its stage (DDP with stage 1)."""
+    if c["tags"]["kind"] == "strategy":
+        return case(j, kind="peer", variant="ddp")
+    return case(j, kind="strategy", stage=max(1, c["tags"]["stage"]))
+
+
+def sharded(meta, runs, cores):
+    lines = ["## ZeRO: sharded_data_parallel.py against ZeroRedundancyOptimizer and FSDP2", ""]
+    jobs = [(n, job(runs, "zero", n)) for n in (2, 4)]
+    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][1]["result"]
+    cfg = first.get("config") or {}
+    ours = next((c["result"] for _, j in jobs for c in j["result"]["cases"]
+                 if c["tags"]["kind"] == "strategy" and ok(c)), {})
+    lines += [f"GPT, {cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × {cfg.get('heads')} heads"
+              + (f", Psi = {ours['param_count']:,} parameters" if "param_count" in ours else "")
+              + f", global batch {cfg.get('batch_size')} sequences of {cfg.get('seq_len')} characters "
+              f"split over the N ranks, AdamW ({plural(first['steps'], 'step')} per run, "
+              f"{plural(first['rounds'], 'round')}). The peers train the same model from the same seed "
+              "on the same slices with the same AdamW, on gloo. *× peer*: our stage over PyTorch's "
+              "of the same stage (1: ZeroRedundancyOptimizer with DDP; 2: FSDP2 with "
+              "reshard_after_forward=False; 3: FSDP2). *Memory per rank*: the bytes of the tensors a "
+              "rank holds after the last step, each storage once (FSDP2: the local shards), the "
+              "largest over ranks: parameters / gradients / optimizer state / the peak of whole layers "
+              "gathered at once = total, in MB; *formula*: sharded_data_parallel.py's for its stage "
+              "(plain data parallelism: 16 Psi). *Bytes/step*: the bytes of the vectors handed to "
+              "the collectives per step and rank, and the number of calls (ours: with its "
+              "formula). *Loss Δ*: largest difference between loss curves: ours against DDP + AdamW, "
+              "a peer against our run of its stage (DDP against stage 1).", ""]
+    head = ["N", "run", "step ms (range)", "× peer (range)", "× DDP + AdamW (range)",
+            "memory per rank MB: params / grads / optimizer / gathered = total", "formula MB",
+            "bytes/step", "loss Δ"]
+    rows = []
+    for n, j in jobs:
+        where = ranks_label(n, cores)
+        ddp = case(j, kind="peer", variant="ddp")
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([where] + failed_row(c, len(head) - 1))
+                continue
+            r, t = c["result"], c["tags"]
+            mine = t["kind"] == "strategy"
+            peer = case(j, kind="peer", stage=t["stage"]) if mine else None
+            sent = (f"{r['comm_bytes_per_step']:,.0f} in {plural(r['collectives_per_step'], 'call')}"
+                    if "comm_bytes_per_step" in r else "–")
+            if mine and "comm_bytes_formula" in r:
+                sent += f" (formula {r['comm_bytes_formula']:,})"
+            formula = r.get("memory_bytes_formula")
+            rows.append([where, c["label"], step_cell(c), ratio_cell(c, peer) if mine else "–",
+                         ratio_cell(c, ddp), memory_cell(r.get("memory_bytes_per_rank")),
+                         mb(formula["total"]) if formula else "–", sent,
+                         sci(loss_diff(c, counterpart(j, c)))])
+    return lines + table(head, rows) + load_line([j for _, j in jobs])
+
+
 def scaling(meta, runs, cores):
     lines = ["## Scaling: the same global batch at N = 1, 2, 4", ""]
     j = scaling_job(runs)
@@ -414,6 +486,17 @@ def findings(meta, runs, cores):
         j = job(runs, "tp", n)
         faster("tensor_parallel.py", case(j, kind="strategy"), "torch.distributed.tensor.parallel",
                case(j, kind="peer"), f"Tensor parallelism, N = {ranks_label(n, cores)}")
+    for n in (2, 4):
+        j = job(runs, "zero", n)
+        if not (j and j["result"]):
+            continue
+        where = f"ZeRO, N = {ranks_label(n, cores)}"
+        for stage in (1, 2, 3):
+            peer = case(j, kind="peer", stage=stage)
+            if ok(peer):
+                faster(f"sharded_data_parallel.py --zero-stage {stage}",
+                       case(j, kind="strategy", stage=stage), peer["label"], peer, where)
+        out += sharded_findings(j, where)
     j = scaling_job(runs)
     for label in dict.fromkeys(c["label"] for c in (j["result"]["cases"] if j else [])):
         one = {c["tags"]["threads"]: c for c in j["result"]["cases"]
@@ -426,9 +509,41 @@ def findings(meta, runs, cores):
     return ["## Findings (computed from the tables above)", ""] + [f"- {line}" for line in out] + [""]
 
 
+def sharded_findings(j, where):
+    """Memory and loss curves of the ZeRO job: the measured bytes against the formula and against
+    the unsharded baseline, and how far apart the loss curves are."""
+    out = []
+    ours = [c for c in j["result"]["cases"] if c["tags"]["kind"] == "strategy" and ok(c)
+            and "memory_bytes_per_rank" in c["result"]]
+    ddp = case(j, kind="peer", variant="ddp")
+    if ours:
+        worst = max(abs(c["result"]["memory_bytes_per_rank"]["total"]
+                        - c["result"]["memory_bytes_formula"]["total"]) for c in ours)
+        held = "; ".join(f"stage {c['tags']['stage']}: {mb(c['result']['memory_bytes_per_rank']['total'])} MB"
+                         for c in ours)
+        base = (f" against {mb(ddp['result']['memory_bytes_per_rank']['total'])} MB for DDP + AdamW"
+                if ok(ddp) and "memory_bytes_per_rank" in ddp["result"] else "")
+        out.append(f"{where}: a rank of sharded_data_parallel.py holds {held}{base}; the measured bytes "
+                   f"are within {worst:,} bytes of the formula.")
+        fsdp = case(j, kind="peer", stage=3)
+        three = next((c for c in ours if c["tags"]["stage"] == 3), None)
+        if ok(fsdp) and three and "memory_bytes_per_rank" in fsdp["result"]:
+            a, b = three["result"]["memory_bytes_per_rank"], fsdp["result"]["memory_bytes_per_rank"]
+            out.append(f"{where}: FSDP2 holds {mb(b['total'])} MB per rank against {mb(a['total'])} MB for "
+                       f"stage 3 (whole layers gathered at once: {mb(b['gathered'])} against "
+                       f"{mb(a['gathered'])} MB).")
+    diffs = [d for d in (loss_diff(c, counterpart(j, c)) for c in j["result"]["cases"]) if d is not None]
+    if diffs:
+        agree = "are identical to" if max(diffs) == 0 else f"agree to within {max(diffs):.1e} with"
+        out.append(f"{where}: the loss curves of {plural(len(diffs), 'run')} {agree} their "
+                   f"counterpart's over {plural(j['result']['steps'], 'step')}: the same training, whichever "
+                   "implementation shards it.")
+    return out
+
+
 def render(meta, runs):
     cores = meta["machine"]["cores"]
     lines = header(meta, runs)
-    for section in (data_parallel, pipeline, tensor_parallel, scaling, findings):
+    for section in (data_parallel, pipeline, tensor_parallel, sharded, scaling, findings):
         lines += section(meta, runs, cores)
     return "\n".join(lines)

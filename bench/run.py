@@ -1,6 +1,6 @@
 """Benchmark every strategy against its peers and the machine's limit; print and save the table.
 
-    python bench/run.py              # the full table, under 10 minutes on 2 CPU cores
+    python bench/run.py              # the full table, under 12 minutes on 2 CPU cores
     python bench/run.py --quick      # a smoke test in about two minutes (2 ranks, one round)
     python bench/run.py --gpu        # every strategy on --device cuda with --check, one GPU
 
@@ -32,12 +32,13 @@ from harness import clean_env  # noqa: E402  (the tests' rule for a clean MPI en
 import report  # noqa: E402
 import plots  # noqa: E402  (imports matplotlib only when it draws)
 
-BUDGET = {"full": 570, "quick": 180, "gpu": 290}  # seconds, the traced run included: no job runs past them
+BUDGET = {"full": 710, "quick": 180, "gpu": 350}  # seconds, the traced run included: no job runs past them
 MODE_ENV = {}  # for every job of a mode (the GPU jobs set their transport one by one)
 MIN_JOB_SECONDS = 20
-STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_parallel")
+STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_parallel",
+              "sharded_data_parallel")
 GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_parallel"),
-               "tp": ("tensor_parallel",), "scaling": STRATEGIES}
+               "tp": ("tensor_parallel",), "zero": ("sharded_data_parallel",), "scaling": STRATEGIES}
 
 
 Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
@@ -55,7 +56,7 @@ def plan(mode):
     job is killed past it."""
     if mode == "quick":
         flags = ["--rounds", "1", "--steps", "5", "--collective-reps", "20", "--micro-batches", "2,8"]
-        return [Job(("dp", "pp", "tp", "scaling"), 2, flags, {}, 60, 150)]
+        return [Job(("dp", "pp", "tp", "zero", "scaling"), 2, flags, {}, 60, 160)]
     if mode == "gpu":  # peers apart, so that one failing cannot take a strategy's rows with it
         # Every strategy with --check at 2 and 4 ranks (ranks may share a GPU), in both transports:
         # staged through host memory, and as the library decides (direct where it is CUDA-aware).
@@ -64,14 +65,15 @@ def plan(mode):
         for transport in ({"MPI_CUDA_AWARE": 0}, {}):
             for n in (2, 4):
                 jobs += [Job((g,), n, flags + ["--cases", "strategies", "--check"], transport, 30, 90)
-                         for g in ("dp", "pp", "tp")]
+                         for g in ("dp", "pp", "tp", "zero")]
         return jobs + [Job(("dp", "pp", "tp"), 2, flags + ["--cases", "peers"], {}, 40, 120)]
     jobs = [Job(("scaling",), 4, ["--rounds", "3", "--steps", "5"], {}, 90, 300)]
     for n, more in ((2, 0), (4, 5)):  # 4 ranks on 2 cores run slower: a little more time
         jobs += [Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 55 + more, 240),
                  Job(("pp",), n, ["--rounds", "6", "--steps", "6", "--micro-batches", "2,4,8"], {},
                      60 + 2 * more, 300),
-                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 40 + more, 240)]
+                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 40 + more, 240),
+                 Job(("zero",), n, ["--rounds", "5", "--steps", "4"], {}, 45 + 2 * more, 180)]
     # MPICH's progress thread moves non-blocking collectives on while backward computes.
     jobs.append(Job(("dp",), 2, ["--rounds", "6", "--steps", "12", "--without-gloo"],
                     {"MPIR_CVAR_ASYNC_PROGRESS": 1}, 35, 240))

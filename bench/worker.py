@@ -325,6 +325,167 @@ def tensor_cases(ctx):
 
 
 # -----------------------------------------------------------------------------
+# Sharded data parallelism (ZeRO): sharded_data_parallel.py, ZeroRedundancyOptimizer and FSDP2
+# -----------------------------------------------------------------------------
+def held_bytes(tensors):
+    """Bytes of the storages behind these tensors, each storage once, as sharded_data_parallel.py
+    measures its own; of a DTensor (FSDP2's shards) the storage of this rank's local part."""
+    from torch.distributed.tensor import DTensor
+    storages = {}
+    with torch.no_grad():
+        for t in tensors:
+            if t is None:
+                continue
+            storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(n for pointer, n in storages.items() if pointer)
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """Count the bytes handed to torch.distributed's collectives by the Python code that calls
+    them (FSDP2, ZeroRedundancyOptimizer, the DDP comm hook below): the whole vector of each call,
+    as sharded_data_parallel.py counts its own (an all-gather's output, a reduce-scatter's input)."""
+    counts = collections.Counter()
+    tensor_of = {"all_reduce": lambda *a, **k: k.get("tensor", a[0] if a else None),
+                 "broadcast": lambda *a, **k: k.get("tensor", a[0] if a else None),
+                 "all_gather_single": lambda *a, **k: k.get("output_tensor", a[0] if a else None),
+                 "reduce_scatter_single": lambda *a, **k: k.get("input", a[1] if len(a) > 1 else None)}
+    originals = {name: getattr(dist, name) for name in tensor_of if hasattr(dist, name)}
+
+    def counting(name, call):
+        def counted(*args, **kwargs):
+            t = tensor_of[name](*args, **kwargs)
+            counts["calls"] += 1
+            counts["bytes"] += t.numel() * t.element_size() if torch.is_tensor(t) else 0
+            return call(*args, **kwargs)
+        return counted
+    for name, call in originals.items():
+        setattr(dist, name, counting(name, call))
+    try:
+        yield counts
+    finally:
+        for name, call in originals.items():
+            setattr(dist, name, call)
+
+
+def counted_allreduce_hook(process_group, bucket):
+    """What DDP's reference allreduce_hook does with a bucket (divide by N, allreduce: the same
+    arithmetic as without a hook), through dist.all_reduce so that counted_collectives() sees it."""
+    group = process_group or dist.group.WORLD
+    buffer = bucket.buffer().div_(group.size())
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def gpt_training(ctx, wrap, make_optimizer, local_state=lambda o: o.state, shards_parameters=False):
+    """sharded_data_parallel.py's default training (its GPT from the seed, each rank's slice of
+    every global batch, AdamW with its hyper-parameters) with the model wrapped by wrap(model) and
+    the optimizer make_optimizer(parameters, **AdamW's settings). Its step time, the global losses,
+    the collectives' bytes per step and the bytes a rank holds (the largest over ranks); with
+    shards_parameters, also the peak of whole layers gathered at once."""
+    sdp = importlib.import_module("sharded_data_parallel")
+    a, comm, device = defaults("sharded_data_parallel", ctx.comm.Get_size()), ctx.comm, ctx.device
+    if device.type == "cuda":
+        raise CannotRun("the ZeRO peers are measured on the CPU only")
+    rank, n = comm.Get_rank(), comm.Get_size()
+    model = wrap(sdp.build_model(a).to(device))
+    optimizer = make_optimizer(model.parameters(), lr=a.lr, betas=sdp.BETAS, eps=sdp.EPS,
+                               weight_decay=sdp.WEIGHT_DECAY)
+    per_rank = a.batch_size // n
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    gathered = [0]  # whole layers held at once, sampled as each layer's forward starts
+
+    def sample(module, args):
+        from torch.distributed.tensor import DTensor
+        whole = [p for layer in model.layers for p in layer.parameters() if not isinstance(p, DTensor)]
+        gathered[0] = max(gathered[0], held_bytes(whole))
+    if shards_parameters:  # after fully_shard's own hooks: the layer is whole by then
+        for layer in model.layers:
+            layer.register_forward_pre_hook(sample)
+
+    def step(i):
+        x, y = sdp.make_batch(a.seed, i, a.batch_size, a.seq_len)
+        optimizer.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x[mine].to(device)).flatten(0, 1), y[mine].to(device).flatten())
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    with counted_collectives() as counts:
+        seconds, losses = timed(comm, ctx.args.steps, step, device)
+    params = list(model.parameters())
+    state = [v for s in local_state(optimizer).values() for v in s.values() if torch.is_tensor(v)]
+    memory = {"parameters": held_bytes(params), "gradients": held_bytes(p.grad for p in params),
+              "optimizer": held_bytes(state), "gathered": gathered[0]}
+    every = comm.allgather({**memory, "total": sum(memory.values())})
+    return {"step_time_s": seconds, "losses": [sum(ls) / n for ls in zip(*comm.allgather(losses))],
+            "comm_bytes_per_step": max(comm.allgather(counts["bytes"] / ctx.args.steps)),
+            "collectives_per_step": max(comm.allgather(counts["calls"] / ctx.args.steps)),
+            "memory_bytes_per_rank": {k: max(m[k] for m in every) for k in every[0]}}
+
+
+def ddp_wrap(model):
+    """DistributedDataParallel on gloo, default 25 MB buckets (one bucket for this GPT)."""
+    from torch.nn.parallel import DistributedDataParallel
+    wrapped = DistributedDataParallel(model)
+    wrapped.register_comm_hook(None, counted_allreduce_hook)
+    return wrapped
+
+
+def ddp_adamw(ctx):
+    """The unsharded baseline: DDP and a whole AdamW on every rank."""
+    return gpt_training(ctx, ddp_wrap, torch.optim.AdamW)
+
+
+def zero_redundancy(ctx):
+    """ZeRO stage 1 as PyTorch ships it: DDP allreduces the whole gradients, and
+    ZeroRedundancyOptimizer steps AdamW on the parameters this rank owns (whole tensors, spread
+    over the ranks by size), then broadcasts them from their owners."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def make(parameters, **adamw):
+        return ZeroRedundancyOptimizer(parameters, optimizer_class=torch.optim.AdamW, **adamw)
+    return gpt_training(ctx, ddp_wrap, make, local_state=lambda o: o.optim.state)  # its local AdamW
+
+
+def fsdp2(reshard_after_forward):
+    """FSDP2's fully_shard on each layer of the GPT and on the GPT, on a CPU mesh over gloo:
+    parameters, gradients and AdamW's state sharded (ZeRO stage 3); with reshard_after_forward
+    False the layers stay whole from their forward to their backward (as ZeRO stage 2 holds them)."""
+    def run(ctx):
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+        except ImportError as e:
+            raise CannotRun(f"this torch has no FSDP2 fully_shard: {e}")
+
+        def wrap(model):
+            mesh = init_device_mesh(ctx.device.type, (ctx.comm.Get_size(),))
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            return model
+        return gpt_training(ctx, wrap, torch.optim.AdamW, shards_parameters=True)
+    return run
+
+
+def zero_cases(ctx):
+    sdp = "sharded_data_parallel"
+    cases = [Case(f"{sdp}.py --zero-stage {k}", {"kind": "strategy", "strategy": sdp, "stage": k},
+                  strategy(sdp, "--zero-stage", k)) for k in (1, 2, 3)]
+    return cases + [
+        Case("PyTorch DDP + AdamW (gloo), unsharded", {"kind": "peer", "variant": "ddp", "stage": 0,
+                                                       "gloo": True}, ddp_adamw),
+        Case("ZeroRedundancyOptimizer(AdamW) + DDP (gloo), ZeRO-1",
+             {"kind": "peer", "variant": "zero_redundancy", "stage": 1, "gloo": True}, zero_redundancy),
+        Case("FSDP2 fully_shard, reshard_after_forward=False (gloo), ZeRO-2",
+             {"kind": "peer", "variant": "fsdp2_no_reshard", "stage": 2, "gloo": True}, fsdp2(False)),
+        Case("FSDP2 fully_shard (gloo), ZeRO-3",
+             {"kind": "peer", "variant": "fsdp2", "stage": 3, "gloo": True}, fsdp2(True)),
+    ]
+
+
+# -----------------------------------------------------------------------------
 # Scaling: each strategy at N = 1, 2, 4 in one job, so that the sizes take turns too
 # -----------------------------------------------------------------------------
 def wait_quietly(comm):
@@ -376,8 +537,10 @@ def scaling_cases(ctx):
                     for n in (1, 2, 4) if n <= ctx.comm.Get_size() for c in runs]
 
 
-GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "scaling": scaling_cases}
-CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel"}
+GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "zero": zero_cases,
+          "scaling": scaling_cases}
+CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel",
+             "zero": "sharded_data_parallel"}
 
 
 # -----------------------------------------------------------------------------

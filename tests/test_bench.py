@@ -68,6 +68,58 @@ def test_a_short_data_parallel_job_measures_every_case_and_ddp_trains_the_same_m
     assert max(abs(a - b) for a, b in zip(ours, ddp)) < 1e-5
 
 
+def zero_job():
+    """A ZeRO job at N = 2: stage 1 and its peer, the unsharded baseline, and FSDP2 unable to run."""
+    def held(params, grads, optimizer, gathered=0):
+        return {"parameters": params, "gradients": grads, "optimizer": optimizer, "gathered": gathered,
+                "total": params + grads + optimizer + gathered}
+    return {"group": "zero", "ranks": 2, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 6, "rounds": 3, "config": {"layers": 4, "hidden": 64, "heads": 4, "batch_size": 24,
+                                            "seq_len": 64}, "cases": [
+            case("sharded_data_parallel.py --zero-stage 1", {"kind": "strategy", "stage": 1},
+                 [0.080, 0.090, 0.100], losses=[4.8, 4.6], param_count=220288, comm_bytes_per_step=1762304,
+                 collectives_per_step=12, comm_bytes_formula=1762304,
+                 memory_bytes_per_rank=held(881152, 881152, 881176),
+                 memory_bytes_formula=held(881152, 881152, 881152)),
+            case("PyTorch DDP + AdamW (gloo), unsharded", {"kind": "peer", "variant": "ddp", "stage": 0},
+                 [0.100, 0.100, 0.100], losses=[4.8, 4.6 + 2e-7], comm_bytes_per_step=881152,
+                 collectives_per_step=1, memory_bytes_per_rank=held(881152, 881152, 1762564)),
+            case("ZeroRedundancyOptimizer(AdamW) + DDP (gloo), ZeRO-1",
+                 {"kind": "peer", "variant": "zero_redundancy", "stage": 1}, [0.160, 0.180, 0.200],
+                 losses=[4.8, 4.6], comm_bytes_per_step=1762304, collectives_per_step=66,
+                 memory_bytes_per_rank=held(881152, 881152, 884792)),
+            {"label": "FSDP2 fully_shard (gloo), ZeRO-3",
+             "tags": {"kind": "peer", "variant": "fsdp2", "stage": 3},
+             "result": {"error": "RuntimeError: no reduce_scatter on gloo"}}]}}
+
+
+def test_the_zero_table_pairs_each_stage_with_its_peer_and_sets_memory_beside_the_formula():
+    text = report.render(META, [zero_job()])
+    section = text.split("## ZeRO")[1].split("## ")[0]
+    # 0.080/0.160, 0.090/0.180, 0.100/0.200: 0.50 every round; against DDP 0.80, 0.90, 1.00.
+    assert ("| 2 | sharded_data_parallel.py --zero-stage 1 | 90.0 (80.0–100.0) | 0.50× (0.50–0.50) "
+            "| 0.90× (0.80–1.00) | 0.88 / 0.88 / 0.88 / 0.00 = 2.64 | 2.64 "
+            "| 1,762,304 in 12 calls (formula 1,762,304) | 2.0e-07 |") in section
+    assert "| 0.88 / 0.88 / 1.76 / 0.00 = 3.52 | – | 881,152 in 1 call |" in section
+    assert "not measured: RuntimeError: no reduce_scatter on gloo" in section
+    assert ("ZeRO, N = 2: sharded_data_parallel.py --zero-stage 1 is faster than ZeroRedundancyOptimizer"
+            "(AdamW) + DDP (gloo), ZeRO-1: 0.50× its step time") in text
+    assert "holds stage 1: 2.64 MB against 3.52 MB for DDP + AdamW; the measured bytes are within 24 bytes" \
+        in text
+    assert "the loss curves of 3 runs agree to within 2.0e-07" in text
+
+
+@pytest.mark.e2e
+def test_a_short_zero_job_gives_every_case_a_result_or_one_line_why():
+    out = launch("bench/worker.py", 2, "zero", "--rounds", "1", "--steps", "2")
+    cases = last_json(out)["groups"]["zero"]["cases"]
+    assert len(cases) == 7 and all(
+        ("error" in c["result"]) != ("step_time_s" in c["result"]) for c in cases), json.dumps(cases)[:2000]
+    assert all("\n" not in c["result"]["error"] for c in cases if "error" in c["result"])
+    ours = [c["result"] for c in cases if c["tags"]["kind"] == "strategy"]
+    assert [r["zero_stage"] for r in ours] == [1, 2, 3]
+
+
 # -----------------------------------------------------------------------------
 # The pictures: the numbers they pick need no matplotlib; the drawing is skipped without it
 # -----------------------------------------------------------------------------
