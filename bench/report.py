@@ -319,6 +319,82 @@ def tensor_parallel(meta, runs, cores):
     return lines + table(head, rows)
 
 
+def hybrid_jobs(runs):
+    return [j for j in sorted((r for r in runs if r["group"] == "hybrid" and r["result"]),
+                              key=lambda r: r["ranks"])]
+
+
+def megabytes(x):
+    return "–" if x is None else f"{x / 1e6:.2f}"
+
+
+def hybrid(meta, runs, cores):
+    lines = ["## Hybrid parallelism: the 2 × 2 × 2 grid beside the one-axis grids", ""]
+    jobs = hybrid_jobs(runs)
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0]["result"]
+    cfg = first.get("config") or {}
+    lines += [f"hybrid_parallel.py, GPT, {cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × "
+              f"{cfg.get('heads')} heads, global batch {cfg.get('batch_size')} sequences of "
+              f"{cfg.get('seq_len')} characters, M = 2 micro-batches per replica in every grid "
+              f"({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}); all grids "
+              "in one job, taking turns. *× 2×2×2*: the step time over that of `--dp 2 --tp 2 --pp 2`, "
+              "paired by round. *Bytes per step by axis*: summed over every rank of the grid, as the "
+              "script counts them (`comm_bytes_per_step_by_axis`); *collectives* (tensor and data axes) "
+              "and *messages* (pipeline axis) per step likewise. A grid the model cannot take says why "
+              "in one line, and the largest grid on that axis that it can take follows.", ""]
+    head = ["N", "run", "step ms (range)", "× 2×2×2 (range)", "tensor MB/step", "pipeline MB/step",
+            "data MB/step", "collectives/step (tensor + data)", "messages/step (pipeline)", "bubble", "check"]
+    rows = []
+    for j in jobs:
+        n, base = j["ranks"], case(j, grid="2x2x2")
+        where = ranks_label(n, cores)
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([where] + failed_row(c, len(head) - 1))
+                continue
+            r = c["result"]
+            axis = r.get("comm_bytes_per_step_by_axis") or {}
+            calls = r.get("collectives_per_step_by_axis") or {}
+            rows.append([where, c["label"], step_cell(c), ratio_cell(c, base),
+                         megabytes(axis.get("tensor")), megabytes(axis.get("pipeline")),
+                         megabytes(axis.get("data")),
+                         f"{calls.get('tensor', 0):g} + {calls.get('data', 0):g}" if calls else "–",
+                         f"{r['messages_per_step']:g}" if "messages_per_step" in r else "–",
+                         f"{pct(r.get('bubble_fraction'))} ({pct(r.get('bubble_fraction_theory'))})",
+                         check_cell(c)])
+    lines += table(head, rows) + load_line(jobs)
+    for j in jobs:
+        lines += [what_ranks_show(j, cores), ""]
+    return lines
+
+
+def what_ranks_show(j, cores):
+    """What N ranks on this machine's cores can and cannot show, from the job's own numbers."""
+    n, cases = j["ranks"], [c for c in j["result"]["cases"] if ok(c)]
+    threads = j["result"].get("torch_threads")
+    if n <= cores:
+        return (f"{n} ranks on {cores} cores, each rank a core of its own: the step times compare "
+                "the grids' parallel speed on this machine.")
+    moved = sorted(((sum((c["result"].get("comm_bytes_per_step_by_axis") or {}).values()), c["label"])
+                    for c in cases if c["result"].get("comm_bytes_per_step_by_axis")))
+    fastest = min(cases, key=lambda c: c["result"]["step_time_s"], default=None)
+    text = (f"What {n} ranks on {cores} cores can and cannot show: the ranks are {n / cores:g}× more than "
+            f"the cores ({plural(threads or 1, 'torch thread')} each), so they take turns, and a step time "
+            "measures the sum of every rank's work and exchanges (and the machine's other load), not "
+            "how fast the grid would run with a core or a device per rank: the ratios rank the grids "
+            "by total cost on this machine, not by parallel speed")
+    if fastest is not None:
+        text += f" (here {fastest['label']} has the shortest step, {ms(fastest['result']['step_time_s'])} ms)"
+    text += (". The bytes and the counts of collectives and messages per step are exact, the same on "
+             "any machine")
+    if len(moved) > 1:
+        text += (f": from {megabytes(moved[0][0])} MB per step ({moved[0][1]}) to {megabytes(moved[-1][0])} MB "
+                 f"({moved[-1][1]})")
+    return text + "."
+
+
 def scaling(meta, runs, cores):
     lines = ["## Scaling: the same global batch at N = 1, 2, 4", ""]
     j = scaling_job(runs)
@@ -449,6 +525,12 @@ def findings(meta, runs, cores):
         j = job(runs, "tp", n)
         faster("tensor_parallel.py", case(j, kind="strategy"), "torch.distributed.tensor.parallel",
                case(j, kind="peer"), f"Tensor parallelism, N = {ranks_label(n, cores)}")
+    for j in hybrid_jobs(runs):
+        base = case(j, grid="2x2x2")
+        for c in j["result"]["cases"]:
+            if c is not base and ok(c):
+                faster(c["label"], c, "the 2 × 2 × 2 grid", base,
+                       f"Hybrid, N = {ranks_label(j['ranks'], cores)}")
     j = scaling_job(runs)
     for label in dict.fromkeys(c["label"] for c in (j["result"]["cases"] if j else [])):
         one = {c["tags"]["threads"]: c for c in j["result"]["cases"]
@@ -464,6 +546,6 @@ def findings(meta, runs, cores):
 def render(meta, runs):
     cores = meta["machine"]["cores"]
     lines = header(meta, runs)
-    for section in (data_parallel, pipeline, tensor_parallel, scaling, findings):
+    for section in (data_parallel, pipeline, tensor_parallel, hybrid, scaling, findings):
         lines += section(meta, runs, cores)
     return "\n".join(lines)

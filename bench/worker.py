@@ -385,6 +385,58 @@ def tensor_cases(ctx):
 
 
 # -----------------------------------------------------------------------------
+# Hybrid parallelism: the 2 x 2 x 2 grid beside the one-axis grids of the same file and model
+# -----------------------------------------------------------------------------
+HYBRID_M = 2  # micro-batches in every grid: --dp 8 leaves 2 sequences a replica of the batch of 16
+
+
+def hybrid_grid(d, t, p):
+    return ("--dp", d, "--tp", t, "--pp", p, "--micro-batches", HYBRID_M)
+
+
+def largest_axis(ctx, axis):
+    """The grid with the most ranks on `axis` (tp or pp) that hybrid_parallel.py accepts at this
+    world size, the rest data-parallel: (flags, None), or for the whole world on that axis the
+    one line why not and the largest that works."""
+    hp, n = importlib.import_module("hybrid_parallel"), ctx.comm.Get_size()
+    whole, why = None, None
+    for k in sorted((k for k in range(2, n + 1) if n % k == 0), reverse=True):
+        flags = hybrid_grid(n // k, *((k, 1) if axis == "tp" else (1, k)))
+        try:
+            hp.parse_args([str(f) for f in flags], n)
+        except hp.ConfigError as e:
+            why = why or str(e).split(";")[0]
+            continue
+        whole = flags
+        break
+    return whole, why
+
+
+def hybrid_cases(ctx):
+    """hybrid_parallel.py on its 2 x 2 x 2 grid and on the grids of one axis at the same world size."""
+    hp, n = "hybrid_parallel", ctx.comm.Get_size()
+    if not (ROOT / f"{hp}.py").is_file():  # its one row says so
+        return [Case(f"{hp}.py", {"kind": "strategy", "strategy": hp, "grid": "2x2x2"}, strategy(hp))]
+    cases = [Case(f"{hp}.py --dp 2 --tp 2 --pp 2", {"kind": "strategy", "strategy": hp, "grid": "2x2x2"},
+                  strategy(hp, *hybrid_grid(2, 2, 2))),
+             Case(f"{hp}.py --dp {n}", {"kind": "strategy", "strategy": hp, "grid": "dp"},
+                  strategy(hp, *hybrid_grid(n, 1, 1)))]
+    for axis in ("tp", "pp"):
+        flags, why = largest_axis(ctx, axis)
+        if why:  # the whole world on one axis does not fit this model: one line why, then the most that does
+            def cannot(ctx, why=why):
+                raise CannotRun(why)
+            cases.append(Case(f"{hp}.py --{axis} {n}", {"kind": "strategy", "strategy": hp, "grid": axis},
+                              cannot))
+        if flags:
+            label = " ".join(f"{f} {v}" for f, v in zip(flags[0:6:2], flags[1:6:2]) if v > 1)
+            cases.append(Case(f"{hp}.py {label}", {"kind": "strategy", "strategy": hp,
+                                                   "grid": axis if not why else f"most {axis}"},
+                              strategy(hp, *flags)))
+    return cases
+
+
+# -----------------------------------------------------------------------------
 # Scaling: each strategy at N = 1, 2, 4 in one job, so that the sizes take turns too
 # -----------------------------------------------------------------------------
 def wait_quietly(comm):
@@ -436,8 +488,9 @@ def scaling_cases(ctx):
                     for n in (1, 2, 4) if n <= ctx.comm.Get_size() for c in runs]
 
 
-GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "scaling": scaling_cases}
-CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel"}
+GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "hybrid": hybrid_cases,
+          "scaling": scaling_cases}
+CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel", "hybrid": "hybrid_parallel"}
 
 
 # -----------------------------------------------------------------------------
@@ -472,8 +525,12 @@ def combine(rounds):
 def config(group, world_size):
     """The network and batch of a group, as its strategy file's defaults set them."""
     try:
-        a = defaults(CONFIG_OF[group], world_size)
-    except (CannotRun, KeyError):
+        if group == "hybrid":  # its default grid (all data-parallel) does not split the batch at 8 ranks
+            a = importlib.import_module(CONFIG_OF[group]).parse_args([str(f) for f in hybrid_grid(2, 2, 2)],
+                                                                     world_size)
+        else:
+            a = defaults(CONFIG_OF[group], world_size)
+    except Exception:  # noqa: BLE001 (a group with no network of its own, a grid this size cannot hold)
         return None
     return {k: getattr(a, k) for k in ("batch_size", "layers", "hidden", "heads", "seq_len", "lr", "seed")
             if hasattr(a, k)}
