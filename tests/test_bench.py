@@ -1,4 +1,5 @@
 """bench/: the table writer and the pictures on made-up numbers, and one short measuring job end to end."""
+import importlib
 import json
 import sys
 
@@ -134,7 +135,7 @@ def pipeline_job():
 
 
 def test_the_bubble_picture_takes_every_schedule_found_in_the_results():
-    from bench import run  # noqa: F401  (puts bench/ on the path, as `python bench/run.py` does)
+    importlib.import_module("bench.run")  # puts bench/ on the path, as `python bench/run.py` does
     import plots
     series, model = plots.bubble_series([pipeline_job()] + runs([0.02, 0.02, 0.02]))
     assert series == {2: {"zb-h1": [(2, 0.25, 0.2), (4, 0.15, 0.1)], "1f1b": [(4, 0.3, 0.2)]}}
@@ -146,7 +147,7 @@ def test_the_bubble_picture_takes_every_schedule_found_in_the_results():
 
 
 def test_the_timeline_picture_takes_the_median_step_of_every_rank():
-    from bench import run  # noqa: F401
+    importlib.import_module("bench.run")
     import plots
 
     def x(rank, name, cat, start, end):  # milliseconds here; microseconds in the trace, as --trace writes
