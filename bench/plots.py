@@ -1,7 +1,7 @@
 """The benchmark's pictures: the pipeline bubble over M, step time and speedup over N, one step.
 
 draw(meta, runs, trace, stem) writes three PNGs beside the tables, named after them:
-  STEM-bubble.png    measured bubble against (N-1)/(M+N-1) over M, for every pipeline schedule
+  STEM-bubble.png    measured bubble against its schedule's theory over M, for every pipeline schedule
                      found in the results (any name the pipeline's cases carry), one panel per N;
   STEM-scaling.png   step time and speedup over N for every strategy of the scaling job;
   STEM-timeline.png  one step of a pipeline_parallel.py --trace run, rank by rank.
@@ -157,7 +157,7 @@ def draw_bubble(plt, runs, cores, path):
                 handles.append(h)
                 labels.append(label)
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
-    fig.suptitle("Pipeline bubble, measured (solid) against (N−1)/(M+N−1) (dashed)", fontsize=11)
+    fig.suptitle("Pipeline bubble, measured (solid) against each schedule's theory (dashed)", fontsize=11)
     fig.tight_layout(rect=(0, 0.05 + 0.04 * ((len(labels) + 3) // 4), 1, 1))
     return save(fig, path, tight=False)
 

@@ -229,7 +229,7 @@ def data_parallel(meta, runs, cores):
 
 
 def pipeline(meta, runs, cores):
-    lines = ["## Pipeline and model parallelism: both schedules, a range of M, "
+    lines = ["## Pipeline and model parallelism: every schedule, a range of M, "
              "torch.distributed.pipelining", ""]
     jobs = [(n, job(runs, "pp", n)) for n in (2, 4)]
     jobs = [(n, j) for n, j in jobs if j and j["result"]]
@@ -241,12 +241,17 @@ def pipeline(meta, runs, cores):
               f"global batch {cfg.get('batch_size')} sequences of {cfg.get('seq_len')} characters cut "
               f"into M micro-batches ({plural(first['steps'], 'step')} per run, "
               f"{plural(first['rounds'], 'round')}). "
-              "*Bubble*: the share of the step a rank waits for a peer, mean over ranks; theory "
-              "(N−1)/(M+N−1), which for model parallelism (the whole batch at once) is M = 1. "
+              "*× 1F1B*: the step time over that of `--schedule 1f1b` at the same M, paired by round. "
+              "*Bubble*: the share of the step a rank waits for a peer, mean over ranks; *theory*: the "
+              "script's formula for its schedule at equal costs ((N−1)/(M+N−1) for gpipe and 1f1b, "
+              "(N−1)/(VM+N−1) for interleaved with V = 2 chunks per rank, less for zb-h1 and zbv), "
+              "and for model parallelism (the whole batch at once) M = 1. "
               "*Peak activations*: micro-batches held at once per rank, and the bytes autograd saved "
-              "for them.", ""]
-    head = ["N", "run", "M", "step ms (range)", "bubble measured", "theory", "peak held per rank",
-            "peak MB per rank", "× torch (range)", "check"]
+              "for them. The torch rows place their stages as ours of the same name (one per rank; two "
+              "per rank round robin; two per rank in a V) and train the same model on the same "
+              "batches; *× torch* is our step over theirs for the same schedule.", ""]
+    head = ["N", "run", "M", "step ms (range)", "× 1F1B (range)", "bubble measured", "theory",
+            "peak held per rank", "peak MB per rank", "× torch (range)", "check"]
     rows = []
     for n, j in jobs:
         where = ranks_label(n, cores)
@@ -255,12 +260,15 @@ def pipeline(meta, runs, cores):
                 rows.append([where] + failed_row(c, len(head) - 1))
                 continue
             r, t = c["result"], c["tags"]
+            base = case(j, kind="strategy", schedule="1f1b", m=t.get("m"))
             if t["kind"] == "peer":
-                rows.append([where, c["label"], t["m"], step_cell(c)] + ["–"] * 4 + ["1.00×", "–"])
+                rows.append([where, c["label"], t["m"], step_cell(c), ratio_cell(c, base)] + ["–"] * 4
+                            + ["1.00×" if t.get("schedule") else "–", "–"])
                 continue
             m, label = t.get("m", 1), c["label"]
             if t["strategy"] == "model_parallel":  # waiting for a peer, as the pipeline's bubble
                 measured = statistics.mean(r["idle_fraction"]) if r.get("idle_fraction") else None
+                base = None
                 if r.get("param_bytes"):
                     label += (" (holds parameters + optimizer state per rank: " + per_rank(
                         [a + b for a, b in zip(r["param_bytes"], r.get("optimizer_state_bytes") or
@@ -268,8 +276,8 @@ def pipeline(meta, runs, cores):
                               + " MB)")
             else:
                 measured = r.get("bubble_fraction")
-            peer = case(j, kind="peer", schedule=t.get("schedule"), m=m)
-            rows.append([where, label, m, step_cell(c), pct(measured),
+            peer = case(j, kind="peer", schedule=t.get("schedule"), m=m) if t.get("schedule") else None
+            rows.append([where, label, m, step_cell(c), ratio_cell(c, base) if base else "–", pct(measured),
                          pct(r.get("bubble_fraction_theory", (n - 1) / (m + n - 1))),
                          per_rank(r.get("peak_activations")),
                          per_rank(r.get("peak_activation_bytes"), lambda b: f"{b / 1e6:.2f}"),
@@ -309,6 +317,78 @@ def tensor_parallel(meta, runs, cores):
                          f"{r['comm_bytes_per_step']:,.0f} ({volume:,})" if mine else "–",
                          "–" if mine else sci(loss_diff(c, ours)), check_cell(c) if mine else "–"])
     return lines + table(head, rows)
+
+
+def hybrid_jobs(runs):
+    return [j for j in sorted((r for r in runs if r["group"] == "hybrid" and r["result"]),
+                              key=lambda r: r["ranks"])]
+
+
+def hybrid(meta, runs, cores):
+    lines = ["## Hybrid parallelism: the 2 × 2 × 2 grid beside the one-axis grids", ""]
+    jobs = hybrid_jobs(runs)
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0]["result"]
+    cfg = first.get("config") or {}
+    lines += [f"hybrid_parallel.py, GPT, {cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × "
+              f"{cfg.get('heads')} heads, global batch {cfg.get('batch_size')} sequences of "
+              f"{cfg.get('seq_len')} characters, M = 2 micro-batches per replica in every grid "
+              f"({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}); all grids "
+              "in one job, taking turns. *× 2×2×2*: the step time over that of `--dp 2 --tp 2 --pp 2`, "
+              "paired by round. *Bytes per step by axis*: summed over every rank of the grid, as the "
+              "script counts them (`comm_bytes_per_step_by_axis`); *collectives* (tensor and data axes) "
+              "and *messages* (pipeline axis) per step likewise. A grid the model cannot take says why "
+              "in one line, and the largest grid on that axis that it can take follows.", ""]
+    head = ["N", "run", "step ms (range)", "× 2×2×2 (range)", "tensor MB/step", "pipeline MB/step",
+            "data MB/step", "collectives/step (tensor + data)", "messages/step (pipeline)", "bubble", "check"]
+    rows = []
+    for j in jobs:
+        n, base = j["ranks"], case(j, grid="2x2x2")
+        where = ranks_label(n, cores)
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([where] + failed_row(c, len(head) - 1))
+                continue
+            r = c["result"]
+            axis = r.get("comm_bytes_per_step_by_axis") or {}
+            calls = r.get("collectives_per_step_by_axis") or {}
+            rows.append([where, c["label"], step_cell(c), ratio_cell(c, base),
+                         mb(axis.get("tensor")), mb(axis.get("pipeline")),
+                         mb(axis.get("data")),
+                         f"{calls.get('tensor', 0):g} + {calls.get('data', 0):g}" if calls else "–",
+                         f"{r['messages_per_step']:g}" if "messages_per_step" in r else "–",
+                         f"{pct(r.get('bubble_fraction'))} ({pct(r.get('bubble_fraction_theory'))})",
+                         check_cell(c)])
+    lines += table(head, rows) + load_line(jobs)
+    for j in jobs:
+        lines += [what_ranks_show(j, cores), ""]
+    return lines
+
+
+def what_ranks_show(j, cores):
+    """What N ranks on this machine's cores can and cannot show, from the job's own numbers."""
+    n, cases = j["ranks"], [c for c in j["result"]["cases"] if ok(c)]
+    threads = j["result"].get("torch_threads")
+    if n <= cores:
+        return (f"{n} ranks on {cores} cores, each rank a core of its own: the step times compare "
+                "the grids' parallel speed on this machine.")
+    moved = sorted(((sum((c["result"].get("comm_bytes_per_step_by_axis") or {}).values()), c["label"])
+                    for c in cases if c["result"].get("comm_bytes_per_step_by_axis")))
+    fastest = min(cases, key=lambda c: c["result"]["step_time_s"], default=None)
+    text = (f"What {n} ranks on {cores} cores can and cannot show: the ranks are {n / cores:g}× more than "
+            f"the cores ({plural(threads or 1, 'torch thread')} each), so they take turns, and a step time "
+            "measures the sum of every rank's work and exchanges (and the machine's other load), not "
+            "how fast the grid would run with a core or a device per rank: the ratios rank the grids "
+            "by total cost on this machine, not by parallel speed")
+    if fastest is not None:
+        text += f" (here {fastest['label']} has the shortest step, {ms(fastest['result']['step_time_s'])} ms)"
+    text += (". The bytes and the counts of collectives and messages per step are exact, the same on "
+             "any machine")
+    if len(moved) > 1:
+        text += (f": from {mb(moved[0][0])} MB per step ({moved[0][1]}) to {mb(moved[-1][0])} MB "
+                 f"({moved[-1][1]})")
+    return text + "."
 
 
 def mb(n):
@@ -477,12 +557,39 @@ def findings(meta, runs, cores):
                            "averages), so not a paired ratio.")
     for n in (2, 4):
         j = job(runs, "pp", n)
-        for s in ("gpipe", "1f1b"):
-            peer = case(j, kind="peer", schedule=s)
-            if ok(peer):
-                faster(f"pipeline_parallel.py --schedule {s}", case(j, kind="strategy", schedule=s,
-                                                                   m=peer["tags"]["m"]),
-                       peer["label"], peer, f"Pipeline, N = {ranks_label(n, cores)}")
+        where = f"Pipeline, N = {ranks_label(n, cores)}"
+        mine = [c for c in (j["result"]["cases"] if j and j["result"] else [])
+                if c["tags"]["kind"] == "strategy" and c["tags"].get("schedule") and ok(c)]
+        top = max((c["tags"]["m"] for c in mine), default=None)
+        at_top = [c for c in mine if c["tags"]["m"] == top]
+        for c in at_top:
+            if c["tags"]["schedule"] != "1f1b":
+                faster(f"--schedule {c['tags']['schedule']}", c, "1f1b",
+                       case(j, kind="strategy", schedule="1f1b", m=top), f"{where}, M = {top}")
+        ranked = sorted((c for c in at_top if c["result"].get("bubble_fraction") is not None),
+                        key=lambda c: c["result"]["bubble_fraction"])
+        if len(ranked) > 1:
+            theory = sorted(ranked, key=lambda c: c["result"].get("bubble_fraction_theory", 1))
+            out.append(f"{where}, M = {top}: the measured bubble orders the schedules "
+                       + " < ".join(f"{c['tags']['schedule']} {pct(c['result']['bubble_fraction'])}"
+                                    for c in ranked)
+                       + "; theory orders them " + " < ".join(
+                           f"{c['tags']['schedule']} {pct(c['result'].get('bubble_fraction_theory'))}"
+                           for c in theory)
+                       + (" (the same order)." if [c["label"] for c in ranked] == [c["label"] for c in theory]
+                          else "."))
+        same = []  # (torch's schedule, ours with the same placement, largest loss difference)
+        for peer in (c for c in (j["result"]["cases"] if j and j["result"] else []) if c["tags"]["kind"] == "peer"):
+            ours = case(j, kind="strategy", schedule=peer["tags"].get("placement"), m=peer["tags"]["m"])
+            if ok(peer) and peer["tags"].get("schedule"):
+                faster(f"pipeline_parallel.py --schedule {peer['tags']['schedule']}", ours,
+                       peer["label"], peer, where)
+            if ok(peer) and ok(ours) and loss_diff(peer, ours) is not None:
+                same.append((peer["tags"].get("torch"), ours["tags"]["schedule"], loss_diff(peer, ours)))
+        if same:
+            out.append(f"{where}: torch's schedules train the losses of ours placed alike to within "
+                       f"{sci(max(d for _, _, d in same))} ("
+                       + ", ".join(f"{name} against {mine}" for name, mine, _ in same) + ").")
         j = job(runs, "tp", n)
         faster("tensor_parallel.py", case(j, kind="strategy"), "torch.distributed.tensor.parallel",
                case(j, kind="peer"), f"Tensor parallelism, N = {ranks_label(n, cores)}")
@@ -497,6 +604,12 @@ def findings(meta, runs, cores):
                 faster(f"sharded_data_parallel.py --zero-stage {stage}",
                        case(j, kind="strategy", stage=stage), peer["label"], peer, where)
         out += sharded_findings(j, where)
+    for j in hybrid_jobs(runs):
+        base = case(j, grid="2x2x2")
+        for c in j["result"]["cases"]:
+            if c is not base and ok(c):
+                faster(c["label"], c, "the 2 × 2 × 2 grid", base,
+                       f"Hybrid, N = {ranks_label(j['ranks'], cores)}")
     j = scaling_job(runs)
     for label in dict.fromkeys(c["label"] for c in (j["result"]["cases"] if j else [])):
         one = {c["tags"]["threads"]: c for c in j["result"]["cases"]
@@ -544,6 +657,6 @@ def sharded_findings(j, where):
 def render(meta, runs):
     cores = meta["machine"]["cores"]
     lines = header(meta, runs)
-    for section in (data_parallel, pipeline, tensor_parallel, sharded, scaling, findings):
+    for section in (data_parallel, pipeline, tensor_parallel, sharded, hybrid, scaling, findings):
         lines += section(meta, runs, cores)
     return "\n".join(lines)

@@ -222,8 +222,20 @@ def data_parallel_cases(ctx):
 # -----------------------------------------------------------------------------
 # Pipeline and model parallelism: both schedules, a range of M; torch.distributed.pipelining
 # -----------------------------------------------------------------------------
+# torch.distributed.pipelining's schedules, by the placement of their stages: one per rank, round
+# robin over two chunks per rank, or a V (down the ranks and back up), as pipeline_parallel.py's
+# schedules of the same name place them.
+TORCH_SCHEDULES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b",
+                   "ScheduleInterleaved1F1B": "interleaved", "ScheduleInterleavedZeroBubble": "interleaved",
+                   "ScheduleZBVZeroBubble": "zbv"}
+PEER_TIMEOUT = datetime.timedelta(seconds=20)  # a pipelining peer's sends and receives: a hang fails in this
+
+
 def torch_pipeline(schedule, m):
-    """torch.distributed.pipelining's schedule on gloo, pipeline_parallel.py's stages and batch."""
+    """torch.distributed.pipelining's schedule on gloo, with pipeline_parallel.py's stages (the
+    same cut of the same model, built by its build_stage), batch, SGD and loss. Its sends and
+    receives go through a group of their own with a short timeout: a schedule that hangs on gloo
+    fails with the message of the receive that never completed, and the job goes on."""
     def run(ctx):
         from torch.distributed import pipelining
         pp = importlib.import_module("pipeline_parallel")
@@ -232,40 +244,88 @@ def torch_pipeline(schedule, m):
         if ctx.device.type == "cuda":
             raise CannotRun("gloo sends no CUDA tensors point to point, and NCCL refuses two ranks "
                             "on one GPU")
-        stage = pp.stage_of(pp.build_model(a, device), rank, n)
-        schedule_class = getattr(pipelining, schedule)
-        runner = schedule_class(pipelining.PipelineStage(stage, rank, n, device), n_microbatches=m,
-                                loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
-        optimizer = torch.optim.SGD(stage.parameters(), lr=a.lr, momentum=0.9)
+        if not hasattr(pipelining, schedule):
+            raise CannotRun(f"torch {torch.__version__} has no {schedule}")
+        ours = TORCH_SCHEDULES[schedule]
+        ranks = [pp.stage_rank(ours, n, s) for s in range(n * pp.chunks_of(ours, 2))]
+        chunks = pp.build_stage(a, ranks, rank, device, split_backward=False)
+        mine = [s for s in range(len(ranks)) if ranks[s] == rank]
+        group = dist.new_group(backend="gloo", timeout=PEER_TIMEOUT)
+        try:
+            stages = [pipelining.PipelineStage(chunk, s, len(ranks), device, group=group)
+                      for chunk, s in zip(chunks, mine)]
+            schedule_class = getattr(pipelining, schedule)
+            loss = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+            runner = schedule_class(stages if len(ranks) > n else stages[0], n_microbatches=m,
+                                    loss_fn=loss)
+            optimizer = torch.optim.SGD(chunks.parameters(), lr=a.lr, momentum=0.9)
 
-        def step(i):
-            x, y = (t.to(device) for t in pp.make_batch(a.seed, i, a.batch_size, a.seq_len))
-            optimizer.zero_grad(set_to_none=False)
-            losses = []
-            inputs = (x,) if rank == 0 else ()
-            targets = {"target": y, "losses": losses} if rank == n - 1 else {}
-            runner.step(*inputs, **targets)
-            optimizer.step()
-            return sum(loss.item() for loss in losses) / m
+            failed = []  # a rank whose step failed skips the rest, so that every rank gets to the end
 
-        seconds, losses = timed(comm, ctx.args.steps, step, device)
-        return {"step_time_s": seconds, "losses": comm.bcast(losses, root=n - 1)}
+            def step(i):
+                if failed:
+                    return None
+                x, y = (t.to(device) for t in pp.make_batch(a.seed, i, a.batch_size, a.seq_len))
+                optimizer.zero_grad(set_to_none=False)
+                losses = []
+                inputs = (x,) if ranks[0] == rank else ()
+                targets = {"target": y, "losses": losses} if ranks[-1] == rank else {}
+                try:
+                    runner.step(*inputs, **targets)
+                except Exception as e:  # noqa: BLE001 (told to every rank below, then raised)
+                    traceback.print_exc(file=sys.stderr)
+                    failed.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                    return None
+                optimizer.step()
+                return sum(loss.item() for loss in losses) / m
+
+            seconds, losses = timed(comm, ctx.args.steps, step, device)
+            errors = [e for e in comm.allgather(failed[0] if failed else None) if e]
+            if errors:
+                hung = [e for e in errors if "timed out" in e.lower() or "timeout" in e.lower()]
+                raise CannotRun(f"hangs on gloo: a receive waited {PEER_TIMEOUT.seconds} s for a message "
+                                f"that never came ({hung[0]})" if hung else errors[0])
+        finally:
+            dist.destroy_process_group(group)
+        return {"step_time_s": seconds, "losses": comm.bcast(losses, root=ranks[-1])}
     return run
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # pipeline_parallel.py's, in its order
+
+
+def micro_batches(args, n):
+    """The values of M: --micro-batches, or N, 2N and 4N, so that interleaved's groups of N fit."""
+    return args.micro_batches or [n, 2 * n, 4 * n]
+
+
 def pipeline_cases(ctx):
-    ms, pp, torch_m = ctx.args.micro_batches, "pipeline_parallel", max(ctx.args.micro_batches)
-    cases = [Case(f"pipeline_parallel.py --schedule {s} --micro-batches {m}",
-                  {"kind": "strategy", "strategy": pp, "schedule": s, "m": m,
-                   "scaling": s == "1f1b" and m == torch_m},
-                  strategy(pp, "--schedule", s, "--micro-batches", m))
-             for m in ms for s in ("gpipe", "1f1b")]
+    """Every schedule of pipeline_parallel.py at each M (interleaved with 2 chunks per rank, where
+    M is a multiple of N), model_parallel.py, and torch.distributed.pipelining's schedules at the
+    largest M, placed as ours of the same name."""
+    pp, n = "pipeline_parallel", ctx.comm.Get_size()
+    ms = micro_batches(ctx.args, n)
+    torch_m, scaling_m = max(ms), 8 if 8 in ms else max(ms)
+    cases = []
+    for m in ms:
+        for s in PIPELINE_SCHEDULES:
+            if s == "interleaved" and m % n:
+                continue
+            flags = ("--virtual-stages", 2) if s == "interleaved" else ()
+            cases.append(Case(f"pipeline_parallel.py --schedule {s}{' --virtual-stages 2' * bool(flags)} "
+                              f"--micro-batches {m}",
+                              {"kind": "strategy", "strategy": pp, "schedule": s, "m": m,
+                               "scaling": s == "1f1b" and m == scaling_m},
+                              strategy(pp, "--schedule", s, *flags, "--micro-batches", m)))
     cases.append(Case("model_parallel.py",
                       {"kind": "strategy", "strategy": "model_parallel", "scaling": True},
                       strategy("model_parallel")))
-    for s, name in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
+    for name, ours in TORCH_SCHEDULES.items():
+        # The zero-bubble schedule of torch with two chunks per rank is not ours (zb-h1 has one).
+        same = None if name == "ScheduleInterleavedZeroBubble" else ours
         cases.append(Case(f"torch.distributed.pipelining {name}, M = {torch_m}",
-                          {"kind": "peer", "schedule": s, "m": torch_m, "gloo": True},
+                          {"kind": "peer", "schedule": same, "torch": name, "placement": ours,
+                           "m": torch_m, "gloo": True},
                           torch_pipeline(name, torch_m)))
     return cases
 
@@ -486,6 +546,58 @@ def zero_cases(ctx):
 
 
 # -----------------------------------------------------------------------------
+# Hybrid parallelism: the 2 x 2 x 2 grid beside the one-axis grids of the same file and model
+# -----------------------------------------------------------------------------
+HYBRID_M = 2  # micro-batches in every grid: --dp 8 leaves 2 sequences a replica of the batch of 16
+
+
+def hybrid_grid(d, t, p):
+    return ("--dp", d, "--tp", t, "--pp", p, "--micro-batches", HYBRID_M)
+
+
+def largest_axis(ctx, axis):
+    """The grid with the most ranks on `axis` (tp or pp) that hybrid_parallel.py accepts at this
+    world size, the rest data-parallel: (flags, None), or for the whole world on that axis the
+    one line why not and the largest that works."""
+    hp, n = importlib.import_module("hybrid_parallel"), ctx.comm.Get_size()
+    whole, why = None, None
+    for k in sorted((k for k in range(2, n + 1) if n % k == 0), reverse=True):
+        flags = hybrid_grid(n // k, *((k, 1) if axis == "tp" else (1, k)))
+        try:
+            hp.parse_args([str(f) for f in flags], n)
+        except hp.ConfigError as e:
+            why = why or str(e).split(";")[0]
+            continue
+        whole = flags
+        break
+    return whole, why
+
+
+def hybrid_cases(ctx):
+    """hybrid_parallel.py on its 2 x 2 x 2 grid and on the grids of one axis at the same world size."""
+    hp, n = "hybrid_parallel", ctx.comm.Get_size()
+    if not (ROOT / f"{hp}.py").is_file():  # its one row says so
+        return [Case(f"{hp}.py", {"kind": "strategy", "strategy": hp, "grid": "2x2x2"}, strategy(hp))]
+    cases = [Case(f"{hp}.py --dp 2 --tp 2 --pp 2", {"kind": "strategy", "strategy": hp, "grid": "2x2x2"},
+                  strategy(hp, *hybrid_grid(2, 2, 2))),
+             Case(f"{hp}.py --dp {n}", {"kind": "strategy", "strategy": hp, "grid": "dp"},
+                  strategy(hp, *hybrid_grid(n, 1, 1)))]
+    for axis in ("tp", "pp"):
+        flags, why = largest_axis(ctx, axis)
+        if why:  # the whole world on one axis does not fit this model: one line why, then the most that does
+            def cannot(ctx, why=why):
+                raise CannotRun(why)
+            cases.append(Case(f"{hp}.py --{axis} {n}", {"kind": "strategy", "strategy": hp, "grid": axis},
+                              cannot))
+        if flags:
+            label = " ".join(f"{f} {v}" for f, v in zip(flags[0:6:2], flags[1:6:2]) if v > 1)
+            cases.append(Case(f"{hp}.py {label}", {"kind": "strategy", "strategy": hp,
+                                                   "grid": axis if not why else f"most {axis}"},
+                              strategy(hp, *flags)))
+    return cases
+
+
+# -----------------------------------------------------------------------------
 # Scaling: each strategy at N = 1, 2, 4 in one job, so that the sizes take turns too
 # -----------------------------------------------------------------------------
 def wait_quietly(comm):
@@ -538,9 +650,9 @@ def scaling_cases(ctx):
 
 
 GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "zero": zero_cases,
-          "scaling": scaling_cases}
+          "hybrid": hybrid_cases, "scaling": scaling_cases}
 CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel",
-             "zero": "sharded_data_parallel"}
+             "zero": "sharded_data_parallel", "hybrid": "hybrid_parallel"}
 
 
 # -----------------------------------------------------------------------------
@@ -575,8 +687,12 @@ def combine(rounds):
 def config(group, world_size):
     """The network and batch of a group, as its strategy file's defaults set them."""
     try:
-        a = defaults(CONFIG_OF[group], world_size)
-    except (CannotRun, KeyError):
+        if group == "hybrid":  # its default grid (all data-parallel) does not split the batch at 8 ranks
+            a = importlib.import_module(CONFIG_OF[group]).parse_args([str(f) for f in hybrid_grid(2, 2, 2)],
+                                                                     world_size)
+        else:
+            a = defaults(CONFIG_OF[group], world_size)
+    except Exception:  # noqa: BLE001 (a group with no network of its own, a grid this size cannot hold)
         return None
     return {k: getattr(a, k) for k in ("batch_size", "layers", "hidden", "heads", "seq_len", "lr", "seed")
             if hasattr(a, k)}
@@ -603,10 +719,11 @@ def parse_args(argv):
     p.add_argument("--seconds", type=float, default=float("inf"),
                    help="start no new round after this many seconds (at least one round runs)")
     p.add_argument("--without-gloo", action="store_true", help="leave out the cases that use gloo")
-    p.add_argument("--micro-batches", default="2,4,8", help="values of M for the pipeline, e.g. 2,4,8")
+    p.add_argument("--micro-batches", default=None,
+                   help="values of M for the pipeline, e.g. 2,4,8 (default: N, 2N, 4N)")
     p.add_argument("--small-bucket-mb", type=float, default=0.05, help="buckets small enough to overlap")
     args = p.parse_args(argv)
-    args.micro_batches = [int(m) for m in args.micro_batches.split(",")]
+    args.micro_batches = [int(m) for m in args.micro_batches.split(",")] if args.micro_batches else None
     return args
 
 

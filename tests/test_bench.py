@@ -1,4 +1,5 @@
 """bench/: the table writer and the pictures on made-up numbers, and one short measuring job end to end."""
+import importlib
 import json
 import sys
 
@@ -56,6 +57,53 @@ def test_every_gap_says_why_and_oversubscription_is_marked():
     assert "| 0.52× (0.50–0.55) | 2.0 | 4.0× | 3.0 (2.0 to 3.0) |" in text
     # Speedup against one rank on one thread: 0.020/0.011 = 1.82 at N = 2, efficiency 91%.
     assert "11.0 (11.0–11.0), 1.82×, 91%" in text
+
+
+def test_the_pipeline_table_gives_every_schedule_against_1f1b_and_each_torch_peer_or_why_not():
+    def pp(schedule, m, seconds):
+        return case(f"pipeline_parallel.py --schedule {schedule} --micro-batches {m}",
+                    {"kind": "strategy", "strategy": "pipeline_parallel", "schedule": schedule, "m": m},
+                    seconds, bubble_fraction=0.2, bubble_fraction_theory=0.1, losses=[2.0, 1.5])
+    peer = {"label": "torch.distributed.pipelining ScheduleZBVZeroBubble, M = 4",
+            "tags": {"kind": "peer", "schedule": "zbv", "torch": "ScheduleZBVZeroBubble", "placement": "zbv",
+                     "m": 4}, "result": {"error": "hangs on gloo: a receive waited 20 s"}}
+    job = {"group": "pp", "ranks": 2, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 3, "rounds": 3, "config": {"layers": 4}, "cases": [
+            pp("1f1b", 4, [0.10, 0.10, 0.10]), pp("zbv", 4, [0.08, 0.09, 0.12]), peer,
+            case("torch.distributed.pipelining Schedule1F1B, M = 4",
+                 {"kind": "peer", "schedule": "1f1b", "torch": "Schedule1F1B", "placement": "1f1b", "m": 4},
+                 [0.20, 0.25, 0.40], losses=[2.0, 1.5])]}}
+    text = report.render({**META, "missing": []}, [job])
+    # zbv over 1f1b round by round: 0.8, 0.9, 1.2; 1f1b over torch's 1F1B: 0.5, 0.4, 0.25.
+    assert "| 2 | pipeline_parallel.py --schedule zbv --micro-batches 4 | 4 | 90.0 (80.0–120.0) | " \
+           "0.90× (0.80–1.20) | 20% | 10% |" in text
+    assert "| 0.40× (0.25–0.50) | – |" in text and "| 2.50× (2.00–4.00) | – | – |" in text
+    assert "not measured: hangs on gloo: a receive waited 20 s" in text
+    assert "no clear winner between --schedule zbv and 1f1b" in text
+    assert "train the losses of ours placed alike to within 0.0e+00 (Schedule1F1B against 1f1b)" in text
+
+
+def test_the_hybrid_table_gives_each_grid_against_2x2x2_and_says_what_8_ranks_on_2_cores_show():
+    def grid(label, name, seconds, tensor, pipeline, data):
+        return case(f"hybrid_parallel.py {label}", {"kind": "strategy", "strategy": "hybrid_parallel",
+                                                   "grid": name}, seconds,
+                    comm_bytes_per_step_by_axis={"tensor": tensor, "pipeline": pipeline, "data": data},
+                    collectives_per_step_by_axis={"tensor": 84, "data": 4}, messages_per_step=16,
+                    bubble_fraction=0.3, bubble_fraction_theory=1 / 3)
+    job = {"group": "hybrid", "ranks": 8, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 4, "rounds": 3, "torch_threads": 1, "config": {"layers": 4}, "cases": [
+            grid("--dp 2 --tp 2 --pp 2", "2x2x2", [0.40, 0.40, 0.40], 9e6, 1e6, 2e6),
+            grid("--dp 8", "dp", [0.20, 0.22, 0.24], 0, 0, 7e6),
+            {"label": "hybrid_parallel.py --tp 8", "tags": {"kind": "strategy", "grid": "tp"},
+             "result": {"error": "--tp 8 does not divide --heads 4"}}]}}
+    text = report.render({**META, "missing": []}, [job])
+    assert "| 8 † | hybrid_parallel.py --dp 8 | 220.0 (200.0–240.0) | 0.55× (0.50–0.60) | 0.00 | 0.00 | 7.00 | " \
+           "84 + 4 | 16 | 30% (33%) | – |" in text
+    assert "| 8 † | hybrid_parallel.py --tp 8 | not measured: --tp 8 does not divide --heads 4 |" in text
+    assert "What 8 ranks on 2 cores can and cannot show: the ranks are 4× more than the cores" in text
+    assert "from 7.00 MB per step (hybrid_parallel.py --dp 8) to 12.00 MB (hybrid_parallel.py --dp 2 --tp 2 --pp 2)" \
+        in text
+    assert "Hybrid, N = 8 †: hybrid_parallel.py --dp 8 is faster than the 2 × 2 × 2 grid: 0.55×" in text
 
 
 @pytest.mark.e2e
@@ -139,7 +187,7 @@ def pipeline_job():
 
 
 def test_the_bubble_picture_takes_every_schedule_found_in_the_results():
-    from bench import run  # noqa: F401  (puts bench/ on the path, as `python bench/run.py` does)
+    importlib.import_module("bench.run")  # puts bench/ on the path, as `python bench/run.py` does
     import plots
     series, model = plots.bubble_series([pipeline_job()] + runs([0.02, 0.02, 0.02]))
     assert series == {2: {"zb-h1": [(2, 0.25, 0.2), (4, 0.15, 0.1)], "1f1b": [(4, 0.3, 0.2)]}}
@@ -151,7 +199,7 @@ def test_the_bubble_picture_takes_every_schedule_found_in_the_results():
 
 
 def test_the_timeline_picture_takes_the_median_step_of_every_rank():
-    from bench import run  # noqa: F401
+    importlib.import_module("bench.run")
     import plots
 
     def x(rank, name, cat, start, end):  # milliseconds here; microseconds in the trace, as --trace writes
