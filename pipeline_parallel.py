@@ -34,6 +34,9 @@ the weights' gradients nobody waits for, one slot each; '.' idle):
 The bubble (idle share of the step, equal costs): (N-1)/(M+N-1) for gpipe and 1f1b, (N-1)/(VM+N-1)
 interleaved, 1 - 3M/(2M+N-1+max(M,N)) for zb-h1 (at M >= N a third of 1f1b's idle time) and
 (N-1)/(6M+N-1) for zbv at M >= N, the least possible (its last rank waits for N-1 half stages).
+No collective ends a step, so a rank starts the next one when it is done: with zbv's handcrafted
+lists (M >= 2N-1) no rank idles between its first action and its last, and steps back to back
+leave no bubble at all, the paper's zero; 1f1b and zb-h1 keep theirs (rank 0 idles inside).
 Peak memory, in micro-batches held from forward to backward (or W): zb-h1 min(M, N), zbv min(2M,
 2N) half stages: no more than 1f1b's on rank 0; interleaved up to (N-1)/V stages more. A dry run
 executes every rank's list of actions on paper before anything is sent: every send meets its
@@ -383,7 +386,29 @@ def zbv_orders(n, m):
 
 
 def zbv(n, m, rank, v=2):
-    return expand(zbv_orders(n, m)[rank], 2 * n - 1)
+    """ZB-V: the paper's handcrafted lists where there are micro-batches enough (M >= 2N - 1),
+    else the list schedule of zbv_orders."""
+    return expand(zbv_handcrafted(n, m, rank) if m >= 2 * n - 1 else zbv_orders(n, m)[rank], 2 * n - 1)
+
+
+def zbv_handcrafted(n, m, rank):
+    """Zero bubble V as Qi et al. craft it, for M >= 2N - 1. Chunk a is stage r (down the V), chunk
+    b stage 2N-1-r (back up). Warm-up: 2(N-r)-1 forwards of a, r times F b F a, N-r times F b B b
+    W b; then F a B a W a F b B b W b until b's forwards are done; cool-down: r times B a B b, N-r
+    times B a W a, and the W left, b's first. With equal costs no rank idles between its first
+    action and its last, and each holds at most 2N chunks: 1F1B's peak."""
+    done, order = collections.Counter(), []
+
+    def run(*ops):
+        for op, chunk in ops:
+            order.append((op, done[op, chunk], rank if chunk == "a" else 2 * n - 1 - rank))
+            done[op, chunk] += 1
+    f, b, w = "forward", "backward_input", "backward_weight"
+    run(*[(f, "a")] * (2 * (n - rank) - 1), *[(f, "b"), (f, "a")] * rank, *[(f, "b"), (b, "b"), (w, "b")] * (n - rank))
+    while done[f, "b"] < m:
+        run(*[(f, "a")] * (done[f, "a"] < m), (b, "a"), (w, "a"), (f, "b"), (b, "b"), (w, "b"))
+    run(*[(b, "a"), (b, "b")] * rank, *[(b, "a"), (w, "a")] * (n - rank))
+    return order + [(w, i, s) for chunk, s in (("b", 2 * n - 1 - rank), ("a", rank)) for i in range(done[w, chunk], m)]
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1, "zbv": zbv}
@@ -765,12 +790,15 @@ def report(comm, args, run, ideal, ranks, stage, losses, records, window, counte
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
     slowest = step_summary(comm, records)
     theory, bubble, dry_bubble = bubble_theory(args.schedule, n, m, v), statistics.mean(waits), 1 - 3 * m * v / slots
+    # No collective ends a step: each rank starts the next when it is done, so steps can run back to
+    # back, one every (longest span from a rank's first action to its last): the paper's measure.
+    back_to_back = 1 - 3 * m * v / max(max(e for *_, e in row) - min(b for _, b, _ in row) for row in spans)
     bounds = [schedule_bound(args.schedule, n, m, r, v) for r in range(n)]
     crossings = sum(a != b for a, b in zip(ranks, ranks[1:]))  # stage boundaries between two ranks
     formula = 2 * crossings * args.batch_size * args.seq_len * args.hidden * 4
     print0(comm, f"ideal timeline (the dry run; F/B/W: forward/backward/weights' gradients of micro-batch i, "
                  f"one slot each, a whole backward B two{', a/b...: the chunk' if v > 1 else ''}; '.': idle) | "
-                 f"bubble {100 * dry_bubble:.0f}%:",
+                 f"bubble {100 * dry_bubble:.0f}% of one step, {100 * back_to_back:.0f}% with steps back to back:",
            *draw_timeline(spans, slots, slots, width),
            "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
            *measured,
@@ -793,7 +821,8 @@ def report(comm, args, run, ideal, ranks, stage, losses, records, window, counte
             "layer_split": layer_split(args.layers, n * v), "stage_ranks": ranks,
             "stage_params": comm.allgather(sum(p.numel() for p in stage.parameters())),
             "bubble_fraction": bubble, "bubble_fraction_ranks": waits, "bubble_fraction_theory": theory,
-            "bubble_fraction_dry_run": dry_bubble, "peak_activations": [p[0] for p in peaks],
+            "bubble_fraction_dry_run": dry_bubble, "bubble_fraction_back_to_back_dry_run": back_to_back,
+            "peak_activations": [p[0] for p in peaks],
             "peak_activations_bound": bounds, "peak_activations_dry_run": ideal_peak,
             "peak_activation_bytes": [p[1] for p in peaks], "activation_bytes_per_micro_batch": [p[2] for p in peaks],
             "resident_bytes": resident}))
