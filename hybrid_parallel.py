@@ -1230,7 +1230,8 @@ def parse_args(argv, world_size):
     p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (tp x pp))")
     p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
     p.add_argument("--pp", type=COUNT, default=1, help="pipeline stages")
-    p.add_argument("--micro-batches", type=COUNT, default=4, help="micro-batches per replica's share")
+    p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
+                   "up to 4, that it splits into)")
     p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
     args = check_common(p.parse_args(argv))
     if args.hidden % args.heads:
@@ -1248,10 +1249,12 @@ def parse_args(argv, world_size):
                else f"--pp {P} stages need at least {P} --layers, got {args.layers}")
         raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} "
                           f"--layers {args.layers}: {'; '.join(works) or 'none'}")
-    args.dp = D
-    if args.batch_size % (D * args.micro_batches):
-        raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x "
-                          f"{args.micro_batches} micro-batches; use a multiple of {D * args.micro_batches}")
+    args.dp, share = D, args.batch_size // D if args.batch_size % D == 0 else 0
+    M = args.micro_batches = args.micro_batches or next((k for k in range(min(4, share), 0, -1) if share % k == 0), 1)
+    if args.batch_size % (D * M):
+        fits = ", ".join(str(k) for k in range(1, share + 1) if share % k == 0)
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x {M} micro-batches; "
+                          f"use {f'--micro-batches {fits}, or ' if fits else ''}a --batch-size multiple of {D * M}")
     return args
 
 def check_paths(comm, args):

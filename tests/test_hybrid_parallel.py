@@ -91,13 +91,20 @@ def test_dry_run_rejects_a_broken_grid(kind):
     (["--dp", "3", "--tp", "2"], 4, ["make 6 ranks, this job has 4", "--dp 2 --tp 2 --pp 1"]),
     (["--tp", "3"], 6, ["--tp 3 does not divide --heads 4", "--dp 3 --tp 2 --pp 1"]),
     (["--pp", "8", "--layers", "4"], 8, ["--pp 8 stages need at least 8 --layers", "--dp 2 --tp 2 --pp 2"]),
-    (["--batch-size", "6", "--dp", "2", "--micro-batches", "2"], 2, ["--batch-size 6", "multiple of 4"]),
+    (["--batch-size", "6", "--dp", "2", "--micro-batches", "2"], 2, ["--batch-size 6", "--micro-batches 1, 3,",
+                                                                      "multiple of 4"]),
     (["--tp", "0"], 1, ["--tp must be a positive integer"]),
 ])
 def test_bad_grids_are_rejected_with_what_would_work(argv, world_size, words):
     with pytest.raises(hp.ConfigError) as error:
         hp.parse_args(argv, world_size)
     assert all(w in str(error.value) for w in words), str(error.value)
+
+
+def test_the_default_micro_batches_are_the_most_up_to_4_that_each_replica_share_splits_into():
+    """So that the plain command runs at any world size that divides the batch of 16."""
+    assert [hp.parse_args([], n).micro_batches for n in (1, 2, 4, 8, 16)] == [4, 4, 4, 2, 1]
+    assert hp.parse_args(["--batch-size", "18", "--dp", "2"], 2).micro_batches == 3
 
 
 def test_dp_defaults_to_what_the_world_leaves():
