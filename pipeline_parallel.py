@@ -356,10 +356,12 @@ def zb_h1(n, m, rank, v=1):
 
 @functools.cache
 def zbv_orders(n, m):
-    """Zero bubble V (Qi et al. 2023), found by list scheduling on equal F, B, W costs: each slot,
-    each rank runs a B whose gradient is in, else a forward whose input is in (the later stage
-    first) while it holds fewer than 2N micro-batch chunks (1F1B's peak, N whole stages), else a
-    pending W. This reaches the fewest slots possible, 6M + N - 1, for M >= N (N <= 4)."""
+    """Zero bubble V (Qi et al. 2023) for too few micro-batches for the handcrafted lists, found by
+    list scheduling on equal F, B, W costs: each slot, each rank runs a B whose gradient is in,
+    else a forward whose input is in (the later stage first) while it holds fewer than 2N
+    micro-batch chunks (1F1B's peak, N whole stages), else a pending W. This reaches the fewest
+    slots possible in one step, 6M + N - 1, for M >= N (N <= 4), but leaves gaps inside a rank's
+    busy window."""
     last, done, clock = 2 * n - 1, {}, 0
     nxt = {(op, s): 0 for op in COST for s in range(2 * n)}  # the next micro-batch of (op, stage)
     orders, held = [[] for _ in range(n)], [0] * n

@@ -47,7 +47,7 @@ Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
 # The run one step of which the timeline picture shows: 2 ranks, so that on 2 cores the waits drawn
 # are the schedule's and not the ranks taking turns on a core.
 TRACE_RANKS = 2
-TRACE_FLAGS = ["--schedule", "1f1b", "--micro-batches", "8", "--steps", "5"]
+TRACE_FLAGS = ["--layers", "8", "--schedule", "1f1b", "--micro-batches", "8", "--steps", "5"]  # as the pp group
 TRACE_TIMEOUT = 120  # seconds
 
 
@@ -70,9 +70,10 @@ def plan(mode):
         return jobs + [Job(("dp", "pp", "tp"), 2, flags + ["--cases", "peers"], {}, 40, 120)]
     jobs = [Job(("scaling",), 4, ["--rounds", "3", "--steps", "5"], {}, 90, 300)]
     for n, more in ((2, 0), (4, 5)):  # 4 ranks on 2 cores run slower: a little more time
-        # pp: five schedules at M = N, 2N, 4N, model_parallel.py and five torch schedules: 21 cases a round
+        # pp: five schedules at M = N, 2N, 4N, model_parallel.py and five torch schedules: 21 cases a
+        # round, on 8 blocks
         jobs += [Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 55 + more, 240),
-                 Job(("pp",), n, ["--rounds", "6", "--steps", "5"], {}, 110 + 4 * more, 300),
+                 Job(("pp",), n, ["--rounds", "6", "--steps", "5"], {}, 160 + 6 * more, 360),
                  Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 40 + more, 240),
                  Job(("zero",), n, ["--rounds", "5", "--steps", "4"], {}, 45 + 2 * more, 180)]
     # The 2 x 2 x 2 grid beside the one-axis grids, 8 ranks on the machine's cores.

@@ -125,11 +125,12 @@ def strategy(module, *flags):
     return run
 
 
-def defaults(module, world_size):
-    """A strategy file's default flags: the network and batch that its peers must use too."""
+def defaults(module, world_size, *flags):
+    """A strategy file's arguments from its defaults and these flags: the network and batch that
+    its peers must use too."""
     if not (ROOT / f"{module}.py").is_file():
         raise CannotRun(f"{module}.py is not in this checkout yet")
-    return importlib.import_module(module).parse_args([], world_size)
+    return importlib.import_module(module).parse_args([str(f) for f in flags], world_size)
 
 
 # -----------------------------------------------------------------------------
@@ -239,7 +240,8 @@ def torch_pipeline(schedule, m):
     def run(ctx):
         from torch.distributed import pipelining
         pp = importlib.import_module("pipeline_parallel")
-        a, comm, device = defaults("pipeline_parallel", ctx.comm.Get_size()), ctx.comm, ctx.device
+        a = defaults("pipeline_parallel", ctx.comm.Get_size(), *PP_NETWORK)
+        comm, device = ctx.comm, ctx.device
         rank, n = comm.Get_rank(), comm.Get_size()
         if ctx.device.type == "cuda":
             raise CannotRun("gloo sends no CUDA tensors point to point, and NCCL refuses two ranks "
@@ -292,6 +294,9 @@ def torch_pipeline(schedule, m):
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # pipeline_parallel.py's, in its order
+# 8 blocks rather than the scripts' 4, so that the 2N stages of interleaved and zbv hold a block
+# each at N = 4 and every schedule is measured on stages of equal cost, as its theory assumes.
+PP_NETWORK = ("--layers", 8)
 
 
 def micro_batches(args, n):
@@ -316,10 +321,10 @@ def pipeline_cases(ctx):
                               f"--micro-batches {m}",
                               {"kind": "strategy", "strategy": pp, "schedule": s, "m": m,
                                "scaling": s == "1f1b" and m == scaling_m},
-                              strategy(pp, "--schedule", s, *flags, "--micro-batches", m)))
+                              strategy(pp, *PP_NETWORK, "--schedule", s, *flags, "--micro-batches", m)))
     cases.append(Case("model_parallel.py",
                       {"kind": "strategy", "strategy": "model_parallel", "scaling": True},
-                      strategy("model_parallel")))
+                      strategy("model_parallel", *PP_NETWORK)))
     for name, ours in TORCH_SCHEDULES.items():
         # The zero-bubble schedule of torch with two chunks per rank is not ours (zb-h1 has one).
         same = None if name == "ScheduleInterleavedZeroBubble" else ours
@@ -691,7 +696,7 @@ def config(group, world_size):
             a = importlib.import_module(CONFIG_OF[group]).parse_args([str(f) for f in hybrid_grid(2, 2, 2)],
                                                                      world_size)
         else:
-            a = defaults(CONFIG_OF[group], world_size)
+            a = defaults(CONFIG_OF[group], world_size, *(PP_NETWORK if group == "pp" else ()))
     except Exception:  # noqa: BLE001 (a group with no network of its own, a grid this size cannot hold)
         return None
     return {k: getattr(a, k) for k in ("batch_size", "layers", "hidden", "heads", "seq_len", "lr", "seed")
