@@ -406,11 +406,16 @@ def zbv_handcrafted(n, m, rank):
             order.append((op, done[op, chunk], rank if chunk == "a" else 2 * n - 1 - rank))
             done[op, chunk] += 1
     f, b, w = "forward", "backward_input", "backward_weight"
-    run(*[(f, "a")] * (2 * (n - rank) - 1), *[(f, "b"), (f, "a")] * rank, *[(f, "b"), (b, "b"), (w, "b")] * (n - rank))
-    while done[f, "b"] < m:
+    run(*[(f, "a")] * (2 * (n - rank) - 1))  # warm-up
+    run(*[(f, "b"), (f, "a")] * rank)
+    run(*[(f, "b"), (b, "b"), (w, "b")] * (n - rank))
+    while done[f, "b"] < m:  # steady state: one of each a micro-batch
         run(*[(f, "a")] * (done[f, "a"] < m), (b, "a"), (w, "a"), (f, "b"), (b, "b"), (w, "b"))
-    run(*[(b, "a"), (b, "b")] * rank, *[(b, "a"), (w, "a")] * (n - rank))
-    return order + [(w, i, s) for chunk, s in (("b", 2 * n - 1 - rank), ("a", rank)) for i in range(done[w, chunk], m)]
+    run(*[(b, "a"), (b, "b")] * rank)  # cool-down
+    run(*[(b, "a"), (w, "a")] * (n - rank))
+    for chunk in "ba":  # the W left
+        run(*[(w, chunk)] * (m - done[w, chunk]))
+    return order
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1, "zbv": zbv}
