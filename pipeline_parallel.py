@@ -441,6 +441,13 @@ BOUND = {"gpipe": "M", "1f1b": "min(M, N - rank)", "zb-h1": "min(M, N)", "zbv": 
          "interleaved": "min(VM, 2(N-1-rank) + (V-1)N + 1)"}
 
 
+def back_to_back_bubble(spans, work):
+    """The idle share of the ideal timeline with steps back to back: no collective ends a step, so
+    each rank starts the next when it is done, and a step follows every (longest span from a
+    rank's first action to its last), the paper's measure. work: one rank's slots of computation."""
+    return 1 - work / max(max(e for *_, e in row) - min(b for _, b, _ in row) for row in spans)
+
+
 def dry_run(schedules, m, ranks):
     """Execute every rank's list on paper as the ranks will (a send never blocks, a receive waits
     until its message has been sent), a forward or B or W one slot, a whole backward two.
@@ -797,9 +804,7 @@ def report(comm, args, run, ideal, ranks, stage, losses, records, window, counte
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
     slowest = step_summary(comm, records)
     theory, bubble, dry_bubble = bubble_theory(args.schedule, n, m, v), statistics.mean(waits), 1 - 3 * m * v / slots
-    # No collective ends a step: each rank starts the next when it is done, so steps can run back to
-    # back, one every (longest span from a rank's first action to its last): the paper's measure.
-    back_to_back = 1 - 3 * m * v / max(max(e for *_, e in row) - min(b for _, b, _ in row) for row in spans)
+    back_to_back = back_to_back_bubble(spans, 3 * m * v)
     bounds = [schedule_bound(args.schedule, n, m, r, v) for r in range(n)]
     crossings = sum(a != b for a, b in zip(ranks, ranks[1:]))  # stage boundaries between two ranks
     formula = 2 * crossings * args.batch_size * args.seq_len * args.hidden * 4
