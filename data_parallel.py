@@ -67,7 +67,10 @@ import zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mpi4py import MPI
+import mpi4py
+
+mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
+from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "data_parallel"
 # Largest |difference| allowed against single-process training (float32). Measured: at most 4.8e-6
@@ -361,7 +364,6 @@ def train(args, comm, device, model, optimizer, buckets, timeline, past=(), worl
     rank, world_size = comm.Get_rank(), comm.Get_size()
     losses, records = [], []
     for step in range(len(past), args.steps):
-        inject_failure(comm, step, model=model)
         start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step)
@@ -372,11 +374,9 @@ def train(args, comm, device, model, optimizer, buckets, timeline, past=(), worl
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
             print_progress(comm, args, step, mean_loss, records[-1])
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            so_far = list(past) + global_losses(comm, losses)
-            shard = data_parallel_shard(comm, model, optimizer, so_far,
-                                        list(world_sizes) + [world_size] * len(losses))
-            save_checkpoint(comm, args.save, step + 1, shard, {"model": "LeNet-5+BN"})
+        checkpoint_if_due(comm, args, step, lambda: data_parallel_shard(
+            comm, model, optimizer, list(past) + global_losses(comm, losses),
+            list(world_sizes) + [world_size] * len(losses)), {"model": "LeNet-5+BN"})
     return losses, records
 
 
@@ -410,10 +410,13 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, {"model": "LeNet-5+BN"},
                                              lambda manifest: "rank-0.pt", args.steps, same_world_size=False)
-            past, world_sizes = restore(comm, model, optimizer, shard)
+            if shard is not None:
+                past, world_sizes = restore(comm, model, optimizer, shard)
         print_header(comm, args, run, model, buckets, resumed)
+        run.memory.reset()  # the peak of training alone: not the model's building, nor the check
         losses, records = train(args, comm, run.device, model, optimizer, buckets, run.timeline,
                                 past, world_sizes)
+        run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
@@ -430,12 +433,13 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
 
 # =============================================================================
-# You may stop reading here: the strategy is all above. Below is the machinery that every
-# strategy file repeats in the same order and the same words: the check against single-process
-# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# You may stop reading here: the strategy is all above. Below, first this file's own machinery
+# (the check against single-process training, the report, its arguments and checkpoints), then
+# the machinery that every strategy file repeats word for word: the summary, checkpoints and
+# signals, counters, timeline and memory, device and MPI setup, arguments.
 # =============================================================================
 
-# --- Check against single-process training -----------------------------------
+# --- This file's own: the check against single-process training, the report, arguments, checkpoints
 def reference_training(args, world_sizes, device):
     """The same steps in one plain process: no MPI, plain nn.BatchNorm. world_sizes[step] is
     the world size that ran the step (a job may resume at another).
@@ -495,15 +499,6 @@ def check(comm, args, device, losses, model, world_sizes):
         time.sleep(POLL_S)  # the other ranks leave the cores to rank 0, which trains the reference
     return comm.bcast(diff, root=0)
 
-def max_difference(losses, state, ref_losses, ref_model):
-    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
-    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
-    ref_state = ref_model.state_dict()
-    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
-        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
-    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
-
-# --- Report: header, progress, summary, --json, --trace ----------------------
 def print_header(comm, args, run, model, buckets, resumed):
     params = sum(p.numel() for p in model.parameters())
     if resumed:
@@ -523,52 +518,103 @@ def report(comm, args, run, model, buckets, losses, records, counted, diff):
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     calls = {k: sum(c.calls.values()) / steps_run for k, c in counted.items()}
     volume = {k: sum(c.bytes.values()) / steps_run for k, c in counted.items()}
-    slowest = step_summary(comm, records)
     ring = 2 * (world_size - 1) / world_size * grad_bytes
     acc = accuracy(model, args.seed, run.device)
-    print0(comm, f"final loss {losses[-1]:.4f} | accuracy {100 * acc:.1f}% on 2000 held-out samples "
-                 f"(chance {100 / CLASSES:.0f}%)", summary_line(slowest),
-           f"gradient allreduce: {calls['gradients']:g} call(s), {volume['gradients']:,.0f} bytes/step "
+    lines = [f"final loss {losses[-1]:.4f} | accuracy {100 * acc:.1f}% on 2000 held-out samples "
+             f"(chance {100 / CLASSES:.0f}%)",
+             f"gradient allreduce: {calls['gradients']:g} call(s), {volume['gradients']:,.0f} bytes/step "
            f"(G = {grad_bytes:,}); a ring moves 2(N-1)/N x G = {ring:,.0f} bytes per rank"
            + (f" | sync-BN: {calls['syncbn']:g} allreduces, {volume['syncbn']:,.0f} bytes/step"
-              if args.sync_bn else ""))
-    ok = verdict(comm, diff, "losses, parameters, buffers")
-    if args.json:
-        print0(comm, json.dumps({
-            **house_keys(comm, args, run, losses, slowest, diff),
-            "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
-            "accuracy": acc, "grad_bytes": grad_bytes, "ring_bytes_per_rank": ring,
-            "buckets": len(buckets.buckets), "overlap": not args.no_overlap, "sync_bn": args.sync_bn}))
-    return 0 if ok else 1
+              if args.sync_bn else "")]
+    # a bucket's exchange hides behind backward only if it starts while backward still runs
+    overlap = {"buckets_started_in_backward": started_within(run.timeline.step_events, ("Iallreduce", "Allreduce"), "backward")}
+    return finish(comm, args, run, losses, records, diff, "losses, parameters, buffers", lines, {
+        "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
+        "accuracy": acc, "grad_bytes": grad_bytes, "ring_bytes_per_rank": ring,
+        "buckets": len(buckets.buckets), "overlap": overlap, "sync_bn": args.sync_bn})
 
+def parse_args(argv, world_size):
+    p = common_arguments("Data parallelism over MPI: a LeNet with BatchNorm on synthetic images.",
+                         steps=150, batch_size=64, lr=0.02, log_every=25)
+    p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
+    p.add_argument("--no-overlap", action="store_true", help="baseline: one blocking allreduce after backward")
+    p.add_argument("--accum-steps", type=COUNT, default=1, help="gradient accumulation: micro-steps per step")
+    p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks")
+    p.add_argument("--scale-lr", action="store_true", help="linear scaling rule: lr x batch-size / base-batch")
+    p.add_argument("--base-batch", type=COUNT, default=32, help="the batch --lr was tuned for")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up from --lr")
+    args = check_common(p.parse_args(argv))
+    slices = world_size * args.accum_steps
+    if args.batch_size % slices:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {world_size} ranks x "
+                          f"{args.accum_steps} accumulation steps; use a multiple of {slices}, "
+                          f"e.g. {slices}, {2 * slices}, {3 * slices}")
+    return args
+
+def data_parallel_shard(comm, model, optimizer, losses, world_sizes):
+    """What rank 0 saves: the model, the optimizer, every rank's BatchNorm statistics (they
+    differ without --sync-bn), the losses so far and the world size of each step. Collective."""
+    buffers = torch.cat([b.reshape(-1) for b in model.buffers() if b.is_floating_point()]).cpu()
+    every = torch.empty(comm.Get_size(), buffers.numel()) if comm.Get_rank() == 0 else None
+    comm.Gather(buffers, every, root=0)
+    if comm.Get_rank() == 0:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "buffers_per_rank": every, "losses": list(losses), "world_sizes": world_sizes}
+
+def restore(comm, model, optimizer, shard):
+    """Load a data-parallel checkpoint at any world size: the model is replicated. Each rank
+    takes its own BatchNorm statistics when the world size is unchanged, else their mean.
+    Returns the losses so far and the world size of each of those steps."""
+    model.load_state_dict(shard["model"])
+    optimizer.load_state_dict(shard["optimizer"])
+    saved = shard["buffers_per_rank"]
+    row = saved[comm.Get_rank()] if saved.size(0) == comm.Get_size() else saved.mean(0)
+    offset = 0
+    for b in (b for b in model.buffers() if b.is_floating_point()):
+        b.copy_(row[offset:offset + b.numel()].view_as(b))
+        offset += b.numel()
+    return shard["losses"], shard.get("world_sizes", [saved.size(0)] * len(shard["losses"]))
+
+# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
+    ref_state = ref_model.state_dict()
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+
+# --- Report: progress, the summary and --json, --trace -----------------------
 def print_progress(comm, args, step, loss, record):
     print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
                  f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
-def summary_line(slowest):
-    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
-            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
-
-def verdict(comm, diff, compared):
-    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+def finish(comm, args, run, losses, records, diff, compared, lines, keys):
+    """The summary: the file's own `lines`, the split of a step (medians over the steps after the
+    first, of the slowest rank), the peak memory each rank measured, the overlap counts of the
+    last step (keys['overlap']) and the check's verdict; then --json, the house keys and the
+    file's `keys`. Returns the exit status: 1 when the check exceeds the tolerance."""
+    medians = [{k: statistics.median(r[k] for r in (mine[1:] or mine)) for k in mine[0]}
+               for mine in comm.allgather(records)]
+    slowest = max(medians, key=lambda m: m["step_s"])
+    peaks = comm.allgather(run.memory.bytes)
     ok = diff is None or diff <= TOLERANCE
-    if diff is not None:
-        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
-                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
-    return ok
-
-def house_keys(comm, args, run, losses, slowest, diff):
-    """The JSON keys every strategy file reports."""
-    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+    overlap = keys.get("overlap") or {}
+    print0(comm, *lines,
+           f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+           f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
+           f"peak memory per rank ({run.memory.what}): {' | '.join(f'{p / 1e6:.2f}' for p in peaks)} MB",
+           *(["overlap, last step (started in time / all): "
+              + ", ".join(f"{name} {n}/{total}" for name, (n, total) in overlap.items())] if overlap else []),
+           *([f"check against single-process training: max |diff| {diff:.2e} ({compared}; tolerance "
+              f"{TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}"] if diff is not None else []))
+    if args.json:
+        print0(comm, json.dumps({
+            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
             "steps": args.steps, "losses": losses, "final_loss": losses[-1],
-            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
-            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
-
-def step_summary(comm, records):
-    """Medians over steps after the first, of the slowest rank (by median step time)."""
-    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
-               for rank_records in comm.allgather(records)]
-    return max(medians, key=lambda m: m["step_s"])
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"], "comm_s": slowest["comm_s"],
+            "idle_s": slowest["idle_s"], "check_max_abs_diff": diff, "peak_memory_bytes_per_rank": peaks, **keys}))
+    return 0 if ok else 1
 
 def write_trace(comm, timeline, path):
     """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
@@ -584,16 +630,28 @@ def print0(comm, *lines, file=None):
     if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
         print(*lines, sep="\n", file=file or sys.stdout, flush=True)
 
-# --- Checkpoints: a folder appears whole or not at all ------------------------
+# --- Checkpoints: a folder appears whole or not at all; a signal stops at a step's end
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a batch system's time limit, or its warning
+stop_requested = []  # the signals this rank received
+
+def checkpoint_if_due(comm, args, step, make_shard, config):
+    """At the end of `step`: save when --save-every or the last step says so, or when any rank got
+    SIGTERM or SIGUSR1 (the ranks agree on it here, so all stop after the same step); after a
+    signal's save, end the job with status 0. make_shard() gives this rank's shard (collective)."""
+    stop = comm.allreduce(bool(stop_requested), op=MPI.LOR) and step + 1 < args.steps
+    if args.save and (stop or step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+        save_checkpoint(comm, args.save, step + 1, make_shard(), config)
+    if stop:
+        print0(comm, f"stopped by a signal after step {step + 1} of {args.steps}: " +
+               (f"checkpoint saved in {args.save}; rerun with --resume to continue" if args.save
+                else "nothing saved (no --save)"))
+        sys.exit(0)
+
 def checkpoints(root):
     """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
     names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
                    if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
     return [os.path.join(root, n) for n in names]
-
-def sha256(path):
-    with open(path, "rb") as stream:
-        return hashlib.sha256(stream.read()).hexdigest()
 
 def write_durably(path, data):
     with open(path, "wb") as stream:
@@ -613,7 +671,6 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
     comm.Barrier()
     try:
         os.makedirs(tmp, exist_ok=True)
-        inject_failure(comm, step, "save")
         if shard is not None:
             name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
             torch.save(shard, stream)
@@ -646,14 +703,15 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
-    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
-    Any problem on any rank is a ConfigError on every rank."""
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified; (None,
+    None) when root holds none yet (a batch job's first run), which rank 0 says. Any problem on
+    any rank is a ConfigError on every rank."""
     error = manifest = shard = None
     try:
         found = checkpoints(root)
         if not found:
-            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
-                              f"start without --resume to create one")
+            print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
+            return None, None
         path = found[-1]
         with open(os.path.join(path, "manifest.json")) as stream:
             manifest = json.load(stream)
@@ -668,7 +726,9 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         if manifest["config"] != config:
             raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
         name = shard_name(manifest)
-        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+        with open(os.path.join(path, name), "rb") as stream:
+            digest = hashlib.sha256(stream.read()).hexdigest()
+        if digest != manifest["files"][name]:
             raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
         shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
     except ConfigError as e:
@@ -680,31 +740,7 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         raise ConfigError(errors[0])
     return manifest, shard
 
-def data_parallel_shard(comm, model, optimizer, losses, world_sizes):
-    """What rank 0 saves: the model, the optimizer, every rank's BatchNorm statistics (they
-    differ without --sync-bn), the losses so far and the world size of each step. Collective."""
-    buffers = torch.cat([b.reshape(-1) for b in model.buffers() if b.is_floating_point()]).cpu()
-    every = torch.empty(comm.Get_size(), buffers.numel()) if comm.Get_rank() == 0 else None
-    comm.Gather(buffers, every, root=0)
-    if comm.Get_rank() == 0:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "buffers_per_rank": every, "losses": list(losses), "world_sizes": world_sizes}
-
-def restore(comm, model, optimizer, shard):
-    """Load a data-parallel checkpoint at any world size: the model is replicated. Each rank
-    takes its own BatchNorm statistics when the world size is unchanged, else their mean.
-    Returns the losses so far and the world size of each of those steps."""
-    model.load_state_dict(shard["model"])
-    optimizer.load_state_dict(shard["optimizer"])
-    saved = shard["buffers_per_rank"]
-    row = saved[comm.Get_rank()] if saved.size(0) == comm.Get_size() else saved.mean(0)
-    offset = 0
-    for b in (b for b in model.buffers() if b.is_floating_point()):
-        b.copy_(row[offset:offset + b.numel()].view_as(b))
-        offset += b.numel()
-    return shard["losses"], shard.get("world_sizes", [saved.size(0)] * len(shard["losses"]))
-
-# --- Counters and timeline: measured around the strategy's own MPI calls -----
+# --- Counters, timeline and memory: measured around the strategy's own work ---
 class Timeline:
     """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
     own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
@@ -714,6 +750,7 @@ class Timeline:
         self.cuda = device.type == "cuda"
         self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
         self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+        self.step_events = []  # the events of the last recorded step
 
     def _mark(self):
         if not self.cuda:
@@ -741,6 +778,7 @@ class Timeline:
         if self.cuda:
             torch.cuda.synchronize()  # once a step: every event of the step has happened
         record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+        first = len(self.events)
 
         def own_time(name, cat, start_mark, end_mark, children):
             begin, end = self._seconds(start_mark), self._seconds(end_mark)
@@ -750,18 +788,27 @@ class Timeline:
 
         for span in self.closed:
             own_time(*span)
-        self.closed = []
+        self.closed, self.step_events = [], self.events[first:]
         record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
         return record
 
+def started_within(events, exchange, compute):
+    """[n, total]: of the spans named `exchange` (a name or a tuple of names), how many began
+    while a span named `compute` (likewise) was running: started in time to hide behind it."""
+    names = lambda x: (x,) if isinstance(x, str) else tuple(x)
+    running = [(begin, end) for name, _, begin, end in events if name in names(compute)]
+    starts = [begin for name, _, begin, _ in events if name in names(exchange)]
+    return [sum(any(lo <= s < hi for lo, hi in running) for s in starts), len(starts)]
+
 class CountedComm:
     """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
-    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
-    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
-    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+    way the buffer methods are counted (calls, bytes of the first buffer, by name) and timed as
+    'comm' spans. Their requests' Wait polls with short sleeps (MPICH's Wait spins on the core of
+    a rank that computes): a point-to-point wait is the peer's lateness (idle), a collective's comm."""
 
     COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
-               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
+               "Allgather", "Iallgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+               "Ireduce_scatter_block", "Alltoall", "Alltoallv", "Ialltoallv"}
 
     def __init__(self, comm, timeline):
         self.comm, self.timeline = comm, timeline
@@ -799,31 +846,95 @@ class CountedRequest:
             while not self.request.Test():
                 time.sleep(POLL_S)
 
+class PeakMemory:
+    """The most memory this rank held while training, less what it held before the model was
+    built. CUDA: the allocator's peak. CPU: the peak resident set (VmHWM) less its file-backed
+    pages (torch's code, loaded as kernels are first used), which means something because
+    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process."""
+
+    def __init__(self, device):  # before the model is built
+        __import__("torch._dynamo")  # torch's first optimizer imports it: 60+ MB of Python, not training
+        self.cuda = device.type == "cuda"
+        self.what = "CUDA allocator's peak" if self.cuda else "peak resident set less code, less the process before the model"
+        self.baseline = 0 if self.cuda else proc_status("VmRSS") - proc_status("RssFile")
+
+    def reset(self):
+        """From here on: the peak of training, not that of building the model."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # Linux: the peak resident set starts again from the current one
+
+    def stop(self):
+        """The peak until now: the check and the report that follow training do not count."""
+        self.bytes = (torch.cuda.max_memory_allocated() if self.cuda else
+                      max(0, proc_status("VmHWM") - proc_status("RssFile") - self.baseline))
+
+def proc_status(key):
+    """A size from /proc/self/status in bytes (Linux; 0 elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) * 1024 for line in status if line.startswith(key + ":")), 0)
+    return 0
+
 # --- Device and MPI setup -----------------------------------------------------
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+def launcher_local_rank():
+    """This rank's index on its node, as the launcher tells it (Open MPI, Slurm, MPICH, MVAPICH)."""
+    return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+
+def start_mpi():
+    """Before MPI starts: give freed memory back to the system at once (glibc otherwise keeps
+    freed blocks of up to 32 MB, and the resident set would never fall), and choose this rank's
+    GPU, since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI
+    with threads: on a GPU, autograd calls MPI from a thread of its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
+    local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
+    if local is not None and not cpu and torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+
 def setup(comm, args):
-    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
+    signal handlers, and the header's facts."""
     global CUDA_AWARE
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
+    launcher = launcher_local_rank()
     gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    notes = [f"note: the launcher says local rank {launcher}, the node's ranks say {local_rank}"] if launcher not in (None, local_rank) else []
     if args.device == "cuda" or (args.device == "auto" and gpus):
-        device = torch.device("cuda", local_rank % gpus)
+        device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
         CUDA_AWARE = mpi_cuda_aware(comm)
-        if args.check:  # float32 against float32: no TF32 in the run or in the reference
-            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
+            try:
+                torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+            except AttributeError:  # torch before 2.9
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
         transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
-        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
+        uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
+        if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
+            notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
     else:
         device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
         torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
-        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+        if local_size > cores:
+            notes.append(f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns")
+    node.Free()
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda number, frame: stop_requested.append(number))
     comm.Barrier()  # the timeline's zero, about the same moment on every rank
     header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
-              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
-    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
+              f"CUDA buffers: {transport}"] + notes
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
     """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
@@ -866,22 +977,6 @@ def mpi_library():
     text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
     return text.strip().splitlines()[0].strip()
 
-def inject_failure(comm, step, during="step", model=None):
-    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
-    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
-    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
-    spec = os.environ.get("FAIL_AT", "")
-    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
-    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
-        return
-    if how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if how == "oserror":
-        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
-    if how != "nudge":
-        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
-    with torch.no_grad():
-        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
 
 # --- Arguments, and the paths a run will write, checked before anything is built
 class ConfigError(Exception):
@@ -906,13 +1001,11 @@ class Parser(argparse.ArgumentParser):
 def checked(kind, ok, must):
     """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        value = kind(text)  # a ValueError is argparse's own "invalid int value: 'x'"
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
         return value
+    parse.__name__ = kind.__name__
     return parse
 
 COUNT = checked(int, lambda v: v > 0, "a positive integer")
@@ -945,23 +1038,6 @@ def check_common(args):
         raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
     return args
 
-def parse_args(argv, world_size):
-    p = common_arguments("Data parallelism over MPI: a LeNet with BatchNorm on synthetic images.",
-                         steps=150, batch_size=64, lr=0.02, log_every=25)
-    p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
-    p.add_argument("--no-overlap", action="store_true", help="baseline: one blocking allreduce after backward")
-    p.add_argument("--accum-steps", type=COUNT, default=1, help="gradient accumulation: micro-steps per step")
-    p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks")
-    p.add_argument("--scale-lr", action="store_true", help="linear scaling rule: lr x batch-size / base-batch")
-    p.add_argument("--base-batch", type=COUNT, default=32, help="the batch --lr was tuned for")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up from --lr")
-    args = check_common(p.parse_args(argv))
-    slices = world_size * args.accum_steps
-    if args.batch_size % slices:
-        raise ConfigError(f"--batch-size {args.batch_size} does not split into {world_size} ranks x "
-                          f"{args.accum_steps} accumulation steps; use a multiple of {slices}, "
-                          f"e.g. {slices}, {2 * slices}, {3 * slices}")
-    return args
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
@@ -996,5 +1072,6 @@ def abort_on_exception(kind, value, tb):
     MPI.COMM_WORLD.Abort(1)
 
 if __name__ == "__main__":
+    start_mpi()
     sys.excepthook = abort_on_exception
     sys.exit(main())

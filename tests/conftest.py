@@ -7,6 +7,7 @@ import time
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest
+from mpi4py import MPI  # noqa: F401  MPI starts here: importing a strategy file leaves it to start_mpi()
 
 TEST_TIMEOUT = 300  # seconds per test; a hung collective ends the process, and so the job
 

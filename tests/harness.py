@@ -73,10 +73,20 @@ def clean_env(**extra):
 
 
 def launch(script, np, *args, timeout=LAUNCH_TIMEOUT, env=None, cwd=ROOT):
-    """mpirun -np NP python SCRIPT ARGS, as a user would run it; returns CompletedProcess."""
-    cmd = ["mpirun", "-np", str(np), sys.executable, str(ROOT / script), *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, env=env or clean_env(), capture_output=True, text=True,
+    """mpirun -np NP python SCRIPT ARGS, as a user would run it; returns CompletedProcess. With
+    FAIL_AT or STAGE_ALL in env, the script runs under tests/inject.py, which plants the fault."""
+    env = env or clean_env()
+    runner = [str(ROOT / "tests" / "inject.py")] if env.get("FAIL_AT") or env.get("STAGE_ALL") else []
+    cmd = ["mpirun", "-np", str(np), sys.executable, *runner, str(ROOT / script), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def start(script, np, *args, env=None):
+    """launch(), but running: a Popen whose stdout (text) the test reads as the job goes on."""
+    cmd = ["mpirun", "-np", str(np), sys.executable, str(ROOT / script), *map(str, args)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def last_json(result):

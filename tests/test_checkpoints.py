@@ -3,14 +3,18 @@
 A job is killed (SIGKILL) or fails on one rank; resuming must give exactly the result of a job
 that never stopped, and a damaged or mismatched checkpoint must be refused with one line.
 """
+import contextlib
 import json
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import assert_refused, clean_env, last_json, launch
+from harness import assert_refused, clean_env, last_json, launch, start
 
 # Each script with small, quick arguments: (flags, world size, does it shard its checkpoint?)
 SCRIPTS = {
@@ -181,8 +185,62 @@ def test_checkpoint_of_another_model_is_refused(script, finished):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", CLASSIC)
-def test_resume_without_a_checkpoint_is_refused(script, tmp_path):
-    assert_refused(run(script, tmp_path, "--resume"), "no complete checkpoint")
+def test_resume_on_a_folder_without_a_checkpoint_starts_from_step_0(script, tmp_path, uninterrupted):
+    """One batch script serves the first submission and every requeue: --resume on an empty folder."""
+    result = run(script, tmp_path, "--resume")
+    assert f"--resume: no checkpoint in {tmp_path} yet: starting from step 0" in result.stdout
+    assert last_json(result)["losses"] == uninterrupted(script)[0]["losses"]
+
+
+def ranks_of(job, script):
+    """The pids of the python processes that mpirun `job` started for script (Linux /proc)."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    family, grew = {job.pid}, True
+    while grew:
+        more = {pid for pid, ppid in parent.items() if ppid in family} - family
+        family, grew = family | more, bool(more)
+    ranks = []
+    for pid in family - {job.pid}:
+        with contextlib.suppress(OSError):
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+            if Path(argv[0].decode()).name.startswith("python") and any(a.endswith(script.encode()) for a in argv):
+                ranks.append(pid)
+    return ranks
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", ["data_parallel.py", "pipeline_parallel.py", "sharded_data_parallel.py"])
+def test_sigterm_to_every_rank_saves_at_a_step_boundary_and_the_resumed_run_ends_as_the_whole(
+        script, tmp_path, uninterrupted):
+    """A batch system's time limit: SIGTERM to every rank mid-run. The ranks agree at the next
+    step boundary, save, say so in one line and exit 0 well within Slurm's 30 s; --resume then
+    reaches the uninterrupted run's losses and state bit for bit."""
+    whole, whole_state, _ = uninterrupted(script)
+    flags, world, _ = SCRIPTS[script]
+    job = start(script, world, *flags, "--steps", STEPS, "--save-every", EVERY, "--save", tmp_path,
+                "--no-check", "--json", "--log-every", 1)
+    try:
+        for line in job.stdout:  # wait until training runs
+            if line.startswith("step 2/"):
+                break
+        ranks = ranks_of(job, script)
+        assert len(ranks) == world, ranks
+        signalled = time.monotonic()
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        job.kill()
+    stop = [line for line in out.splitlines() if line.startswith("stopped by a signal after step")]
+    assert job.returncode == 0 and len(stop) == 1 and took < 30, (job.returncode, took, out, err)
+    step = int(stop[0].split("after step ")[1].split()[0])
+    assert 2 <= step < STEPS and latest(tmp_path).name == f"step-{step:06d}", stop
+    resumed = last_json(run(script, tmp_path, "--resume"))
+    assert resumed["losses"] == whole["losses"] and same(state(tmp_path), whole_state)
 
 
 @pytest.mark.e2e
@@ -206,4 +264,4 @@ def test_an_exception_on_one_rank_ends_the_job(script, tmp_path):
     result = launch(script, world, *flags, "--steps", 10_000, "--no-check", timeout=60,
                     env=clean_env(FAIL_AT=f"{world - 1}:3:raise"))
     assert result.returncode != 0
-    assert f"rank {world - 1}:" in result.stderr and "injected failure" in result.stderr
+    assert f"rank {world - 1}:" in result.stderr and "planted failure" in result.stderr
