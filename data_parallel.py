@@ -18,8 +18,10 @@ averaged with allreduce, so every rank takes the identical optimizer step.
                                 |
                   identical optimizer step on every rank
 
-Communication per step: gradients of P parameters, G = 4P bytes in float32, summed by
-ceil(G / bucket) allreduces (one with --no-overlap). A ring allreduce moves 2(N-1)/N x G bytes
+Communication per step: gradients of P parameters, G = 4P bytes in float32, summed by one
+allreduce per bucket (one in all with --no-overlap). A bucket closes as soon as it holds at least
+--bucket-mb, so the parameter that crosses the cap stays in it: at most ceil(G / bucket) buckets,
+fewer where large parameters cross (the header prints their real sizes). A ring allreduce moves 2(N-1)/N x G bytes
 in and out of each rank, whatever N. With --sync-bn, each BatchNorm layer adds one allreduce of
 2C+1 float64 statistics forward and one of 2C float32 sums backward.
 
@@ -37,7 +39,8 @@ see overlap (the README's Results say how much of it this machine's MPI delivere
 BatchNorm: by default each rank normalizes with the statistics of its own slice (per-GPU BN, as
 in Goyal et al. 2017), so N ranks train like one process that runs the N slices one after another
 and averages. --sync-bn reduces the statistics over all ranks in forward and the matching sums in
-backward, so N ranks train exactly like one process on the whole global batch.
+backward, so N ranks train exactly like one process on the whole global batch (with
+--accum-steps K, like one process on each micro-step's K-th of it: BatchNorm sees one micro-step).
 
 When to choose it: the model, its gradients and optimizer state fit on one device and you want
 more samples per second. It is the first strategy to reach for; the exchange grows with the model,
@@ -85,31 +88,6 @@ POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core 
 # -----------------------------------------------------------------------------
 # The strategy: average the gradients over the ranks, bucket by bucket, while backward runs
 # -----------------------------------------------------------------------------
-# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
-# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
-CUDA_AWARE = False
-
-
-def mpi_buffer(t, nonblocking=False):
-    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
-    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
-    if not t.is_cuda:
-        return t
-    if CUDA_AWARE and not nonblocking:
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()  # the kernels that write t must finish first (not the whole device)
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
-
-
-def from_mpi(t, buffer):
-    """Bring what MPI wrote into a host copy back to t; returns t."""
-    if buffer is not t:
-        t.copy_(buffer)
-    return t
-
-
 class GradBuckets:
     """PyTorch DDP's reducer in miniature: average gradients over ranks, bucket by bucket.
 
@@ -128,6 +106,9 @@ class GradBuckets:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        # exchanging: True only in the micro-step whose gradients are summed, the last of
+        # --accum-steps (the earlier ones only accumulate); ready: gradients in, per bucket;
+        # pending: the buckets whose allreduce has started, with their buffers and requests.
         self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
         if overlap:
             for p in self.bucket_of:
@@ -147,7 +128,9 @@ class GradBuckets:
             request.Test()  # MPICH moves a non-blocking collective forward only inside MPI calls
 
     def reduce(self, backward):
-        """Run backward (a function) with the exchange; leave averaged gradients in .grad."""
+        """Run backward with the exchange; leave averaged gradients in .grad. backward comes as a
+        function because the exchange starts inside it, from the hooks: reduce() opens the
+        exchange before it and completes every bucket after it."""
         self.exchanging, self.ready, self.pending = True, [0] * len(self.buckets), []
         backward()
         self.exchanging = False
@@ -174,7 +157,8 @@ class GradBuckets:
 class SyncBatchNormFunction(torch.autograd.Function):
     """BatchNorm whose statistics are those of the samples of all ranks together.
 
-    forward:  one allreduce of [sum x, sum x^2, count] per channel (float64, no cancellation)
+    forward:  one allreduce of [sum x, sum x^2, count] per channel; var = E[x^2] - E[x]^2
+              still cancels, and float64 makes that harmless
     backward: one allreduce of [sum dy, sum dy*xhat] per channel. Each rank's dy is that of its
               own loss; the gradient allreduce later divides by N, which makes these global sums
               exactly N times those of the mean loss, as they must be.
@@ -211,6 +195,31 @@ class SyncBatchNormFunction(torch.autograd.Function):
         mean_dy, mean_dy_xhat = (total[:c] / ctx.n).view(shape), (total[c:] / ctx.n).view(shape)
         dx = (weight * invstd).view(shape) * (dy - mean_dy - xhat * mean_dy_xhat)
         return dx, grad_weight, grad_bias, None, None, None, None, None
+
+
+# On a GPU: MPI reads GPU memory only when the library is CUDA-aware (found at start-up by
+# setup()). Otherwise a tensor on a GPU travels through a host copy. On the CPU these do nothing.
+CUDA_AWARE = False
+
+
+def mpi_buffer(t, nonblocking=False):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
+    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
+
+
+def from_mpi(t, buffer):
+    """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
 
 
 class BatchNorm(nn.BatchNorm2d):
@@ -252,12 +261,12 @@ def replicate(args, comm, device, sync_bn_comm=None):
 def train_step(model, optimizer, buckets, images, labels, accum_steps, timeline):
     """One optimizer step on this rank's slice, cut into accum_steps micro-batches."""
     optimizer.zero_grad(set_to_none=False)
-    total = 0.0
+    total = torch.zeros((), device=images.device)
     for k in range(accum_steps):
         x, y = slice_of(images, labels, k, accum_steps)
         with timeline.span("compute", "forward"):
             loss = F.cross_entropy(model(x), y) / accum_steps
-        total += loss.item()
+        total += loss.detach()  # on the device: no synchronization until the step ends
 
         def backward():
             with timeline.span("compute", "backward"):
@@ -269,7 +278,7 @@ def train_step(model, optimizer, buckets, images, labels, accum_steps, timeline)
             buckets.reduce(backward)
     with timeline.span("compute", "optimizer"):
         optimizer.step()
-    return total
+    return total.item()
 
 
 # -----------------------------------------------------------------------------
@@ -388,7 +397,9 @@ def global_losses(comm, losses):
 
 
 def average_buffers(model, comm):
-    """Per-rank BatchNorm keeps per-rank running statistics: average them into one model."""
+    """Per-rank BatchNorm keeps per-rank running statistics: average them into one model. A
+    convention (as DDP's broadcast of rank 0's is another): the mean of the per-rank variances
+    leaves out the variance of the per-rank means."""
     for b in model.buffers():
         if b.is_floating_point():
             buffer = mpi_buffer(b.clone())
@@ -506,7 +517,7 @@ def print_header(comm, args, run, model, buckets, resumed):
                      f"(written by {resumed['world_size']} ranks)")
     print0(comm, *run.header,
            f"model: LeNet-5 + BatchNorm, {params:,} parameters ({4 * params / 1e6:.2f} MB) | "
-           f"{len(buckets.buckets)} bucket(s) of <= {args.bucket_mb:g} MB, "
+           f"{len(buckets.buckets)} bucket(s) of {' + '.join(f'{sum(p.numel() * p.element_size() for p in b):,}' for b in buckets.buckets)} bytes (cap {args.bucket_mb:g} MB), "
            f"{'no overlap' if args.no_overlap else 'overlapped with backward'}",
            f"global batch {args.batch_size} = {comm.Get_size()} ranks x {args.accum_steps} micro-steps "
            f"x {args.batch_size // (comm.Get_size() * args.accum_steps)} | BatchNorm: "
@@ -527,7 +538,8 @@ def report(comm, args, run, model, buckets, losses, records, counted, diff):
            + (f" | sync-BN: {calls['syncbn']:g} allreduces, {volume['syncbn']:,.0f} bytes/step"
               if args.sync_bn else "")]
     # a bucket's exchange hides behind backward only if it starts while backward still runs
-    overlap = {"buckets_started_in_backward": started_within(run.timeline.step_events, ("Iallreduce", "Allreduce"), "backward")}
+    started = started_within(run.timeline.step_events, "Iallreduce", "backward")[0]
+    overlap = {"buckets_started_in_backward": [started, 1 if args.no_overlap else len(buckets.buckets)]}
     return finish(comm, args, run, losses, records, diff, "losses, parameters, buffers", lines, {
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "accuracy": acc, "grad_bytes": grad_bytes, "ring_bytes_per_rank": ring,

@@ -23,6 +23,7 @@ import mpi4py
 
 mpi4py.rc.initialize = False
 import torch  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 
 def plant_failure(module, spec):
@@ -45,7 +46,7 @@ def plant_failure(module, spec):
         return
 
     stepped = []  # the optimizers that have taken a step, newest last
-    torch.optim.optimizer.register_optimizer_step_post_hook(lambda optimizer, *_: stepped.append(optimizer))
+    register_optimizer_step_post_hook(lambda optimizer, *_: stepped.append(optimizer))
     checkpoint_if_due = module.checkpoint_if_due
 
     def failing_checkpoint(comm, args, at, make_shard, config):

@@ -236,8 +236,8 @@ def test_sync_bn_losses_agree_at_every_world_size():
 def test_trace_is_chrome_trace_json_with_one_track_per_rank(tmp_path):
     path = tmp_path / "trace.json"
     result = launch("data_parallel.py", 3, "--steps", "3", "--no-check", "--batch-size", "24",
-                    "--bucket-mb", "0.05", "--trace", path)
-    assert result.returncode == 0, result.stderr
+                    "--bucket-mb", "0.05", "--trace", path, "--json")
+    assert last_json(result)["overlap"] == {"buckets_started_in_backward": [2, 2]}  # counted by the run
     events = json.loads(path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1, 2}
@@ -262,3 +262,17 @@ def test_a_nudged_parameter_makes_the_check_fail():
     result = launch("data_parallel.py", 2, "--steps", "3", "--batch-size", "8",
                     env=clean_env(FAIL_AT="*:2:nudge"))
     assert result.returncode == 1 and "-> FAIL" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_without_overlap_no_bucket_starts_in_backward_and_staged_buffers_pass_the_check():
+    """The run's overlap count can fail: with --no-overlap the one allreduce starts after backward.
+    And the GPU's staging path run on the CPU (STAGE_ALL=1: every buffer handed to MPI is a host
+    copy, so every copy back must happen and every buffer must live until its Wait) passes --check."""
+    plain = last_json(launch("data_parallel.py", 2, "--steps", 3, "--batch-size", 16, "--no-overlap",
+                             "--no-check", "--json"))
+    assert plain["overlap"] == {"buckets_started_in_backward": [0, 1]}
+    staged = last_json(launch("data_parallel.py", 2, "--steps", 3, "--batch-size", 16, "--bucket-mb", 0.05,
+                              "--sync-bn", "--json", env=clean_env(STAGE_ALL=1)))
+    assert staged["check_max_abs_diff"] <= dp.TOLERANCE
+    assert staged["overlap"] == {"buckets_started_in_backward": [2, 2]}
