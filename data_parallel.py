@@ -906,8 +906,8 @@ def start_mpi():
     local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
     if local is not None and not cpu and torch.cuda.is_available():
         torch.cuda.set_device(local % torch.cuda.device_count())
-    if not MPI.Is_initialized():
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    if not MPI.Is_initialized():  # the level mpi4py.rc.thread_level asks for (MPI4PY_RC_THREAD_LEVEL)
+        MPI.Init_thread(getattr(MPI, "THREAD_" + mpi4py.rc.thread_level.upper()))
 
 def setup(comm, args):
     """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
@@ -982,7 +982,7 @@ def check_thread_level(provided):
     if provided < MPI.THREAD_SERIALIZED:
         raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
                           f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
-                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
+                          f"keep mpi4py.rc.thread_level (MPI4PY_RC_THREAD_LEVEL) at its default, 'multiple'")
 
 def mpi_library():
     """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""

@@ -32,8 +32,9 @@ from harness import clean_env  # noqa: E402  (the tests' rule for a clean MPI en
 import report  # noqa: E402
 import plots  # noqa: E402  (imports matplotlib only when it draws)
 
-BUDGET = {"full": 920, "quick": 180, "gpu": 350}  # seconds, the traced run included: no job runs past them
+BUDGET = {"full": 920, "quick": 180, "gpu": 420}  # seconds, the traced run included: no job runs past them
 MODE_ENV = {}  # for every job of a mode (the GPU jobs set their transport one by one)
+KEEP_GPUS = []  # set by --gpu: the jobs see this machine's GPUs (the tests' environment hides them)
 MIN_JOB_SECONDS = 20
 STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_parallel",
               "sharded_data_parallel", "hybrid_parallel")
@@ -67,6 +68,9 @@ def plan(mode):
             for n in (2, 4):
                 jobs += [Job((g,), n, flags + ["--cases", "strategies", "--check"], transport, 30, 90)
                          for g in ("dp", "pp", "tp", "zero")]
+        # hybrid: its 2 x 2 x 2 grid beside the one-axis grids, 8 ranks on the GPU(s)
+        jobs += [Job(("hybrid",), 8, flags + ["--cases", "strategies", "--check"], transport, 40, 150)
+                 for transport in ({"MPI_CUDA_AWARE": 0}, {})]
         return jobs + [Job(("dp", "pp", "tp"), 2, flags + ["--cases", "peers"], {}, 40, 120)]
     jobs = [Job(("scaling",), 4, ["--rounds", "3", "--steps", "5"], {}, 90, 300)]
     for n, more in ((2, 0), (4, 5)):  # 4 ranks on 2 cores run slower: a little more time
@@ -88,7 +92,11 @@ def launch(script, ranks, args, env, timeout):
     """mpirun -np RANKS python SCRIPT ARGS with the MPI environment removed, killed as a whole
     (mpirun, its proxies and the ranks) after `timeout` seconds. Returns (stdout, error)."""
     cmd = ["mpirun", "-np", str(ranks), sys.executable, str(script), *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**env), stdout=subprocess.PIPE,
+    environment = clean_env(**env)
+    if KEEP_GPUS:
+        environment.pop("CUDA_VISIBLE_DEVICES")
+        environment.update({k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -194,6 +202,12 @@ def main(argv=None):
     out = Path(args.out) if args.out else HERE / f"results{'' if name == 'full' else '-' + name}.md"
 
     import torch  # the versions for the header, from the interpreter the jobs run with
+    if args.gpu and not torch.cuda.is_available():
+        print("error: --gpu: torch sees no CUDA device on this machine; run python bench/run.py "
+              "(the CPU) here, or --gpu where there is a GPU", file=sys.stderr)
+        return 2
+    if args.gpu:
+        KEEP_GPUS.append(True)
     start = time.perf_counter()
     meta = {"mode": name, "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
             "command": "python bench/run.py" + ("" if name == "full" else f" --{name}"),

@@ -89,6 +89,25 @@ def start(script, np, *args, env=None):
                             stderr=subprocess.PIPE, text=True)
 
 
+def ranks_of(job, script):
+    """The pids of the python processes that mpirun `job` started for script (Linux /proc)."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    family, grew = {job.pid}, True
+    while grew:
+        more = {pid for pid, ppid in parent.items() if ppid in family} - family
+        family, grew = family | more, bool(more)
+    ranks = []
+    for pid in family - {job.pid}:
+        with contextlib.suppress(OSError):
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+            if Path(argv[0].decode()).name.startswith("python") and any(a.endswith(script.encode()) for a in argv):
+                ranks.append(pid)
+    return ranks
+
+
 def last_json(result):
     """The JSON object on the last line of stdout (the --json contract)."""
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"

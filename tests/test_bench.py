@@ -278,3 +278,19 @@ def test_the_pictures_are_drawn_from_saved_results(tmp_path, capsys):
     pictures = sorted(tmp_path.glob("*.png"))
     assert [p.name for p in pictures] == ["results-bubble.png", "results-scaling.png", "results-timeline.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pictures)
+
+
+@pytest.mark.e2e
+def test_without_a_gpu_the_gpu_commands_say_so_in_one_line_each(tmp_path):
+    """bench/gpu_smoke.sh still writes its table, each GPU row 'no GPU'; run.py --gpu refuses."""
+    import subprocess
+    from harness import ROOT, clean_env
+    smoke = subprocess.run(["bash", str(ROOT / "bench" / "gpu_smoke.sh"), "--out", str(tmp_path / "smoke.md")],
+                           env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert smoke.returncode == 0, smoke.stderr
+    rows = [line for line in (tmp_path / "smoke.md").read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) >= 20 and all(row.endswith("| no GPU |") for row in rows), rows
+    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--gpu"], env=clean_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --gpu: torch sees no CUDA device")
+    assert len(refused.stderr.splitlines()) == 1

@@ -3,7 +3,6 @@
 A job is killed (SIGKILL) or fails on one rank; resuming must give exactly the result of a job
 that never stopped, and a damaged or mismatched checkpoint must be refused with one line.
 """
-import contextlib
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import assert_refused, clean_env, last_json, launch, start
+from harness import assert_refused, clean_env, last_json, launch, ranks_of, start
 
 # Each script with small, quick arguments: (flags, world size, does it shard its checkpoint?)
 SCRIPTS = {
@@ -190,25 +189,6 @@ def test_resume_on_a_folder_without_a_checkpoint_starts_from_step_0(script, tmp_
     result = run(script, tmp_path, "--resume")
     assert f"--resume: no checkpoint in {tmp_path} yet: starting from step 0" in result.stdout
     assert last_json(result)["losses"] == uninterrupted(script)[0]["losses"]
-
-
-def ranks_of(job, script):
-    """The pids of the python processes that mpirun `job` started for script (Linux /proc)."""
-    parent = {}
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    family, grew = {job.pid}, True
-    while grew:
-        more = {pid for pid, ppid in parent.items() if ppid in family} - family
-        family, grew = family | more, bool(more)
-    ranks = []
-    for pid in family - {job.pid}:
-        with contextlib.suppress(OSError):
-            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
-            if Path(argv[0].decode()).name.startswith("python") and any(a.endswith(script.encode()) for a in argv):
-                ranks.append(pid)
-    return ranks
 
 
 @pytest.mark.e2e
