@@ -1,0 +1,1186 @@
+r"""Context parallelism over MPI: ring attention, the sequence itself split across the ranks.
+
+What is split: the sequence. Every rank holds the whole model and every sequence of the global
+batch, but only T/N of each sequence's positions (N = the world size = the number of shards). All
+that a transformer does token by token (embeddings, LayerNorms, the linears, the MLP, the loss)
+needs nothing from the other ranks. Attention does: a query attends to the keys of every earlier
+position, wherever they are. So the keys and values travel around a ring of ranks, one block at a
+time, while each rank computes its queries against the block in hand (Liu et al. 2023, "Ring
+Attention"), merging the partial results with the softmax's log-sum-exp.
+
+  T positions, N = 4 ranks. --layout zigzag (the default): 2N chunks, rank r holds r and 2N-1-r
+     chunk   0    1    2    3    4    5    6    7
+     rank    0    1    2    3    3    2    1    0
+  --layout contiguous: rank r holds positions [rT/N, (r+1)T/N), the blocks 0 1 2 3 in order
+
+  causal work (# a block of keys computed, \ the diagonal, . skipped: all masked)
+     contiguous, blocks of T/N            zigzag, chunks of T/2N: every rank the same work
+     keys:    0 1 2 3                     keys:     0 1 2 3 4 5 6 7
+     rank 0   \ . . .                     rank 0 0  \ . . . . . . .     r x B^2 + B(B+1)/2 pairs
+     rank 1   # \ . .                            7  # # # # # # # \     for rank r, contiguous;
+     rank 2   # # \ .                     rank 3 3  # # # \ . . . .     (2N-1)c^2 + c(c+1) on every
+     rank 3   # # # \                            4  # # # # \ . . .     rank, zigzag (c = T/2N)
+
+  ring attention, one layer on rank r, N steps (--cp-comm ring, the default):
+     step i: the K/V block of rank r-i is in hand. Irecv the next one from rank r-1 and Isend this
+             one to rank r+1 (double-buffered), compute the local queries against it with the
+             causal mask of the global positions (skipped when all masked), then Waitall and swap.
+             rank 0 --K,V--> rank 1 --K,V--> rank 2 --K,V--> rank 3 --K,V--> rank 0
+     merge:  out <- out - sigmoid(lse_b - lse)(out - out_b);  lse <- lse - logsigmoid(lse - lse_b)
+     backward: the K/V blocks go round again; the scores are recomputed from the saved final lse;
+             dQ adds up at home; dK and dV accumulators travel with their block, each rank adding
+             its share, and arrive home after N hops.
+  --cp-comm allgather (Llama 3's variant): Allgather K and V, one mask from the global positions;
+     backward gathers them again and Reduce_scatter_block sums dK and dV back to their owners.
+
+Communication per step and rank (L blocks, b sequences of T characters, hidden h, float32;
+S = 4 b (T/N) h bytes, one rank's K or V of one layer; P parameters), bytes handed to MPI to send:
+  ring:      L x 2S x (N-1)   K/V forward      + L x 2S x (N-1)   K/V backward
+             + L x 2S x N     dK/dV backward (N hops home; at N = 1 the one hop is to itself)
+             = L x 2S x (3N-2) in L x (3N-2) Isends, every K/V message in flight while a block computes
+  allgather: L x 2S forward (Allgather) + L x 2S backward (Allgather) + L x 2SN (Reduce_scatter_block
+             of the whole dK, dV); a ring algorithm moves (N-1)/N of each: about L x 2S x 3(N-1)
+  both:      + 4P (one Allreduce of the parameters' gradients) + 8 (the loss, float64)
+Each rank saw other tokens of the same sequences, so the parameters' gradients are summed; the
+loss is the sum of token losses over the global number of tokens, b x T.
+Memory: the activations saved for backward are those of T/N positions: 1/N of one process's. The
+attention weights (b x heads x T x T in one process) are never saved: one block's scores live at
+a time and backward recomputes them.
+
+When to choose it: the sequence is so long that one device cannot hold its activations, even with
+tensor parallelism over the heads (which stops at the heads and at the node). Every long-context
+model is trained so. Ring exchanges hide behind attention's compute when a block's work outweighs
+its message; the all-gather is simpler and holds all of K and V for one layer at a time.
+
+The network: tensor_parallel.py's GPT-2 style character model, trained on the source of Python's
+own argparse.py, textwrap.py and shlex.py, with a longer default sequence.
+
+Run:  mpirun -np 4 python context_parallel.py            (add --help for the flags)
+"""
+import argparse
+import collections
+import contextlib
+import ctypes
+import errno
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+import traceback
+import types
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import mpi4py
+
+mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
+mpi4py.rc.finalize = True  # and ends at exit: MPICH's mpirun kills the ranks still running when one leaves without
+from mpi4py import MPI  # noqa: E402
+
+STRATEGY = "context_parallel"
+# Largest |difference| allowed against single-process training (float32): set from the differences
+# measured at N = 1 to 4 in both layouts and both variants (see the tests).
+TOLERANCE = 2e-5
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
+VOCAB = 128  # the ASCII codes
+SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
+TAG_KV, TAG_GRAD = 1, 2  # a K/V block, a dK/dV accumulator: two messages apart between one pair of ranks
+
+
+# -----------------------------------------------------------------------------
+# The strategy: the sequence split, ring attention forward and backward, the all-gather variant
+# -----------------------------------------------------------------------------
+# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
+# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+CUDA_AWARE = False
+
+
+def mpi_buffer(t, nonblocking=False):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
+    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
+
+
+def from_mpi(t, buffer):
+    """Bring what MPI wrote into a host copy back to t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
+
+
+class RingExchange:
+    """Isend of `send` to the next rank and Irecv into `recv` from the previous, posted at once;
+    wait() completes both (requests are waited in the order they were posted) and returns recv."""
+
+    def __init__(self, comm, send, recv, tag):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        self.recv, self.buffers = recv, (mpi_buffer(send), mpi_buffer(recv))  # alive until wait()
+        self.requests = [comm.Irecv(self.buffers[1], source=(rank - 1) % size, tag=tag),
+                         comm.Isend(self.buffers[0], dest=(rank + 1) % size, tag=tag)]
+
+    def wait(self):
+        for request in self.requests:  # Waitall
+            request.Wait()
+        self.requests = []
+        return from_mpi(self.recv, self.buffers[1])
+
+
+def shard_positions(seq_len, world_size, layout):
+    """Row r: the global positions rank r holds. zigzag: chunks r and 2N-1-r of 2N, so that every
+    rank has early and late positions alike; contiguous: the r-th block of T/N."""
+    if layout == "contiguous":
+        return torch.arange(seq_len).view(world_size, -1)
+    chunks = torch.arange(seq_len).view(2 * world_size, -1)
+    return torch.stack([torch.cat([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size)])
+
+
+def block_plan(query_positions, key_positions, device):
+    """What to compute of one block: the queries that see any of its keys (rows), the keys that
+    any query sees (cols), the causal mask of those (None: all visible) and its visible pairs.
+    None when the block is all masked (the keys all come after the queries): skip it."""
+    visible = key_positions.view(1, -1) <= query_positions.view(-1, 1)
+    rows, cols = visible.any(1).nonzero().flatten(), visible.any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    seen = visible[rows][:, cols]
+    return types.SimpleNamespace(rows=rows.to(device), cols=cols.to(device), pairs=int(seen.sum()),
+                                 mask=None if seen.all() else (~seen).to(device))
+
+
+def block_attention(q, k, v, plan, tally):
+    """The plan's queries against one block of keys: the block's output and log-sum-exp."""
+    scores = q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1) / math.sqrt(q.size(-1))
+    if plan.mask is not None:
+        scores = scores.masked_fill(plan.mask, float("-inf"))
+    tally["pairs"] += plan.pairs  # causal (query, key) pairs of one sequence and head
+    tally["scores"] += plan.rows.numel() * plan.cols.numel()  # computed, masked or not
+    lse = scores.logsumexp(dim=-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v[:, :, plan.cols], lse
+
+
+def merge(out, lse, block_out, block_lse, rows):
+    """Fold one block's partial attention into the running one, on the rows it covers, in the
+    stable form: sigmoid and logsigmoid never exponentiate a large number."""
+    o, s = out[:, :, rows], lse[:, :, rows]
+    out[:, :, rows] = o - torch.sigmoid(block_lse - s).unsqueeze(-1) * (o - block_out)
+    lse[:, :, rows] = s - F.logsigmoid(s - block_lse)
+
+
+def block_gradients(q, k, v, dout, lse, delta, plan, dq, dk, dv):
+    """Backward of one block, the scores recomputed and normalized by the final lse (so they are
+    the block's share of the whole softmax): adds into dq, and into the block's dk and dv."""
+    scale, rows, cols = 1 / math.sqrt(q.size(-1)), plan.rows, plan.cols
+    qr, kc, vc, dor = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
+    scores = qr @ kc.transpose(-2, -1) * scale
+    if plan.mask is not None:
+        scores = scores.masked_fill(plan.mask, float("-inf"))
+    weights = (scores - lse[:, :, rows].unsqueeze(-1)).exp()
+    dv.index_add_(2, cols, weights.transpose(-2, -1) @ dor)
+    dscores = weights * (dor @ vc.transpose(-2, -1) - delta[:, :, rows].unsqueeze(-1)) * scale
+    dq.index_add_(2, rows, dscores @ kc)
+    dk.index_add_(2, cols, dscores.transpose(-2, -1) @ qr)
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence's keys, which come round
+    the ring of cp.comm one block at a time. q, k, v: b x heads x T/N x d. Returns out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp):
+        size, rank = cp.comm.Get_size(), cp.comm.Get_rank()
+        kv, spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        out = lse = None
+        for i in range(size):
+            exchange = RingExchange(cp.comm, kv, spare, TAG_KV) if i < size - 1 else None
+            if exchange and not cp.overlap:
+                exchange.wait()  # the baseline: the exchange before the block, nothing in flight
+            plan = cp.plans[(rank - i) % size]  # the block in hand is rank r-i's
+            if plan is not None:
+                with cp.timeline.span("compute", "attention block"):
+                    block_out, block_lse = block_attention(q, kv[0], kv[1], plan, cp.tally)
+                    if out is None:  # step 0, the own block: every query sees itself
+                        out, lse = block_out, block_lse
+                    else:
+                        merge(out, lse, block_out, block_lse, plan.rows)
+            if exchange:
+                spare, kv = kv, exchange.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp = cp
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, dout = ctx.cp, dout.contiguous()
+        size, rank = cp.comm.Get_size(), cp.comm.Get_rank()
+        delta = (dout * out).sum(-1)  # sum over keys of weight x d weight, row by row
+        dq = torch.zeros_like(q)
+        kv, spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        accumulator = None  # the dK/dV of the block in hand from the ranks before, on its way here
+        for i in range(size):
+            exchange = RingExchange(cp.comm, kv, spare, TAG_KV) if i < size - 1 else None
+            if exchange and not cp.overlap:
+                exchange.wait()
+            partial = torch.zeros_like(kv)  # this rank's share of the block's dK, dV
+            plan = cp.plans[(rank - i) % size]
+            if plan is not None:
+                with cp.timeline.span("compute", "attention block"):
+                    block_gradients(q, kv[0], kv[1], dout, lse, delta, plan, dq, partial[0], partial[1])
+            if accumulator is not None:
+                partial += accumulator.wait()  # arrived while this block computed
+            accumulator = RingExchange(cp.comm, partial, torch.empty_like(partial), TAG_GRAD)
+            if not cp.overlap:
+                accumulator.wait()
+            if exchange:
+                spare, kv = kv, exchange.wait()
+        dkv = accumulator.wait()  # the N-th hop: this rank's own block, every rank's share in it
+        return dq, dkv[0], dkv[1], None
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """The same attention with one collective: every rank gathers all of K and V, computes its
+    queries against them under one mask, and in backward reduce-scatters dK and dV to their owners."""
+
+    @staticmethod
+    def gather(comm, k, v):
+        kv = torch.stack([k, v])
+        every = kv.new_empty((comm.Get_size(), *kv.shape))  # rank s's K, V at [s]
+        buffer = mpi_buffer(every)
+        comm.Allgather(mpi_buffer(kv), buffer)
+        b, heads, t, d = k.shape  # keys in the order of cp.gathered_plan: rank 0's, rank 1's, ...
+        return from_mpi(every, buffer).permute(1, 2, 3, 0, 4, 5).reshape(2, b, heads, -1, d)
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp):
+        keys, values = AllGatherAttention.gather(cp.comm, k, v)
+        with cp.timeline.span("compute", "attention block"):
+            out, lse = block_attention(q, keys, values, cp.gathered_plan, cp.tally)
+        ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K, V: gathered again in backward
+        ctx.cp = cp
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, dout, size = ctx.cp, dout.contiguous(), ctx.cp.comm.Get_size()
+        keys, values = AllGatherAttention.gather(cp.comm, k, v)
+        dq, dkv = torch.zeros_like(q), torch.zeros((2, *keys.shape), dtype=k.dtype, device=k.device)
+        with cp.timeline.span("compute", "attention block"):
+            block_gradients(q, keys, values, dout, lse, (dout * out).sum(-1), cp.gathered_plan, dq, dkv[0], dkv[1])
+        b, heads, t, d = k.shape
+        every = dkv.view(2, b, heads, size, t, d).permute(3, 0, 1, 2, 4, 5).contiguous()  # rank s's at [s]
+        mine = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        buffer = mpi_buffer(mine)
+        cp.comm.Reduce_scatter_block(mpi_buffer(every), buffer, op=MPI.SUM)
+        dk, dv = from_mpi(mine, buffer)
+        return dq, dk, dv, None
+
+
+class ContextParallelAttention:
+    """What every block calls for its attention on this rank: the ring or the all-gather over comm,
+    with the plans of its positions against every rank's (positions: shard_positions' table)."""
+
+    def __init__(self, comm, positions, cp_comm, overlap, timeline, device):
+        rank = comm.Get_rank()
+        self.comm, self.function = comm, RingAttention if cp_comm == "ring" else AllGatherAttention
+        self.overlap, self.timeline, self.tally = overlap, timeline, collections.Counter()
+        self.plans = [block_plan(positions[rank], positions[s], device) for s in range(comm.Get_size())]
+        self.gathered_plan = block_plan(positions[rank], positions.flatten(), device)
+
+    def __call__(self, q, k, v):
+        self.tally["calls"] += 1
+        return self.function.apply(q, k, v, self)[0]  # the output; the lse is for the tests
+
+
+def context_parallel_model(args, comm, timeline, device):
+    """The whole model on every rank, its optimizer, and the attention its blocks call: this
+    rank's positions against every rank's, over comm."""
+    model = build_model(args, device)
+    model.attention = ContextParallelAttention(comm, shard_positions(args.seq_len, comm.Get_size(), args.layout),
+                                               args.cp_comm, not args.no_overlap, timeline, device)
+    return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+
+def sum_gradients(model, comm):
+    """Each rank's gradients are those of its tokens' share of the loss; their sum over the ranks
+    is the gradient of the whole loss: one Allreduce of all of them."""
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    buffer = mpi_buffer(flat)
+    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+    flat, offset = from_mpi(flat, buffer), 0
+    for p in model.parameters():
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def train_step(model, optimizer, x, y, positions, tokens, comm, timeline, meter):
+    """One step on this rank's positions of every sequence; returns the loss of the whole batch."""
+    optimizer.zero_grad()
+    with timeline.span("compute", "forward"), meter:
+        logits = model(x, positions)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / tokens
+    with timeline.span("compute", "backward"):
+        loss.backward()
+    sum_gradients(model, comm)
+    total = torch.tensor([loss.item()], dtype=torch.float64)
+    comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)  # the loss of all tokens (host memory)
+    with timeline.span("compute", "optimizer"):
+        optimizer.step()
+    return total.item()
+
+
+# -----------------------------------------------------------------------------
+# The model: tensor_parallel.py's GPT, with global positions and a choice of attention
+# -----------------------------------------------------------------------------
+def causal_attention(q, k, v):
+    """Plain causal attention of one process on whole sequences (b x heads x T x d): the reference."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    future = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
+    weights, so float32 rounding differences between world sizes stay at rounding level."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden)  # q, k, v side by side
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x, attention):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        x = x + self.proj(attention(q, k, v).transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, --layers blocks, final LayerNorm, untied head. `attention`
+    is what the blocks call: plain causal attention, or a rank's ContextParallelAttention."""
+
+    def __init__(self, layers, hidden, heads, seq_len):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
+        self.attention = causal_attention
+
+    def forward(self, idx, positions):
+        x = self.tokens(idx) + self.positions(positions)  # global positions, whichever rank holds them
+        for block in self.blocks:
+            x = block(x, self.attention)
+        return self.out(self.norm(x))
+
+
+def build_model(args, device="cpu"):
+    """The full model from the seed: the same network at every world size (GPT-2's init)."""
+    torch.manual_seed(args.seed)
+    model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    return model.to(device)
+
+
+# -----------------------------------------------------------------------------
+# The data: characters of Python's own source, batches a function of (seed, step)
+# -----------------------------------------------------------------------------
+_TEXT = []
+
+
+def load_text():
+    """argparse.py, textwrap.py and shlex.py from this Python, bytes >= 128 replaced by '?'."""
+    if not _TEXT:
+        raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
+        _TEXT.append(torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long))
+    return _TEXT[0]
+
+
+def make_batch(seed, step, size, seq_len):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+    data = load_text()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
+    x = torch.stack([data[o:o + seq_len] for o in starts])
+    y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    return x, y
+
+
+# -----------------------------------------------------------------------------
+# The run: the step loop, and main() as a table of contents
+# -----------------------------------------------------------------------------
+def train(args, comm, run, model, optimizer, meter, past=()):
+    """The steps after the `past` ones (their losses, from a checkpoint). The batch is made whole
+    on the full sequence, targets shifted, then this rank keeps its positions of it."""
+    losses, records = list(past), []
+    positions = shard_positions(args.seq_len, comm.Get_size(), args.layout)[comm.Get_rank()].clone()
+    for step in range(len(past), args.steps):
+        start = time.perf_counter()
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        x, y = x[:, positions].to(run.device), y[:, positions].to(run.device)
+        losses.append(train_step(model, optimizer, x, y, positions.to(run.device),
+                                 args.batch_size * args.seq_len, comm, run.timeline, meter))
+        records.append(run.timeline.step_record(start))
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            print_progress(comm, args, step, losses[-1], records[-1])
+        checkpoint_if_due(comm, args, step, lambda: None if comm.Get_rank() else {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "losses": losses}, model_config(args))
+    return losses, records
+
+
+def model_config(args):
+    """What a checkpoint's model depends on (every rank holds all of it: any world size resumes)."""
+    return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+            "seq_len": args.seq_len, "vocab": VOCAB}
+
+
+def main(argv=None, comm=MPI.COMM_WORLD):
+    """Parse, set up, train, check, report. Returns the exit status of this rank."""
+    try:
+        args = parse_args(argv, comm.Get_size())
+        check_paths(comm, args)
+        run = setup(comm, args)
+        counted = CountedComm(comm, run.timeline)
+        model, optimizer = context_parallel_model(args, counted, run.timeline, run.device)
+        past, resumed = [], None
+        if args.resume:
+            resumed, shard = load_checkpoint(comm, args.save, model_config(args), lambda manifest: "rank-0.pt",
+                                             args.steps, same_world_size=False)
+            if shard is not None:
+                past = restore(comm, model, optimizer, shard)
+        print_header(comm, args, run, model, resumed)
+        meter = SavedBytes(model)
+        run.memory.reset()  # the peak of training alone: not the model's building, nor the check
+        losses, records = train(args, counted, run, model, optimizer, meter, past)
+        run.memory.stop()
+    except ConfigError as e:
+        print0(comm, f"error: {e}", file=sys.stderr)
+        return e.status
+    if len(set(comm.allgather(checksum(model)))) != 1:
+        raise RuntimeError("model replicas diverged")
+    diff = check(comm, args, losses, model) if args.check else None
+    if args.trace:
+        write_trace(comm, run.timeline, args.trace)
+    return report(comm, args, run, model, losses, records, counted, meter, diff)
+
+
+# =============================================================================
+# You may stop reading here: the strategy is all above. Below, first this file's own machinery
+# (the check against single-process training, the report, its arguments and checkpoints), then
+# the machinery that every strategy file repeats word for word: the summary, checkpoints and
+# signals, counters, timeline and memory, device and MPI setup, arguments.
+# =============================================================================
+
+# --- Check against single-process training -----------------------------------
+def reference_training(args):
+    """The same steps in one plain process on the CPU: whole sequences, plain causal attention
+    (the T x T weights of every head), F.cross_entropy's mean. Also the bytes its first forward
+    saved for backward."""
+    model = build_model(args)
+    optimizer, meter = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), SavedBytes(model)
+    losses, positions = [], torch.arange(args.seq_len)
+    for step in range(args.steps):
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        with meter if step == 0 else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x, positions).flatten(0, 1), y.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model, meter.bytes
+
+def one_process_activations(args):
+    """Bytes saved for backward by the first step's forward and loss as train_step computes them,
+    on the whole sequence in one process: this file's attention on one rank (MPI.COMM_SELF)."""
+    model = build_model(args)
+    model.attention = ContextParallelAttention(MPI.COMM_SELF, torch.arange(args.seq_len).view(1, -1), args.cp_comm,
+                                               True, Timeline(torch.device("cpu")), torch.device("cpu"))
+    x, y = make_batch(args.seed, 0, args.batch_size, args.seq_len)
+    with SavedBytes(model) as meter:
+        F.cross_entropy(model(x, torch.arange(args.seq_len)).flatten(0, 1), y.flatten(), reduction="sum")
+    return meter.bytes
+
+def check(comm, args, losses, model):
+    """Rank 0 trains the reference on its CPU and compares (every rank holds the same model);
+    every rank gets the largest difference and the one-process activation bytes."""
+    result = None
+    if comm.Get_rank() == 0:
+        ref_losses, ref_model, plain_bytes = reference_training(args)
+        result = (max_difference(losses, model.state_dict(), ref_losses, ref_model), plain_bytes,
+                  one_process_activations(args))
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_S)  # the other ranks leave the cores to rank 0, which trains the reference
+    return comm.bcast(result, root=0)
+
+class SavedBytes:
+    """Bytes autograd saves for backward during a forward, measured with saved-tensor hooks (as
+    pipeline_parallel.py's ActivationMeter): each storage once, parameters left out. All of it
+    stays alive until backward, so the total at the end of forward is the saved activations' peak."""
+
+    def __init__(self, model):
+        self.fixed = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.bytes, self.storages = 0, {}
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.fixed:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.storages, self.hooks = {}, torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.bytes = sum(self.storages.values())
+
+def kv_messages_under_compute(events):
+    """[n, total] of the ring's messages (Isend, Irecv) in `events`: a message counts when it was in
+    flight while an attention block computed, posted before the block ended and waited for after
+    it began. Requests are waited in the order they were posted: the k-th 'Isend wait' is the k-th Isend's."""
+    blocks = [(begin, end) for name, _, begin, end in events if name == "attention block"]
+    n = total = 0
+    for kind in ("Isend", "Irecv"):
+        posts = sorted(begin for name, _, begin, _ in events if name == kind)
+        waits = sorted(end for name, _, _, end in events if name == kind + " wait")
+        assert len(posts) == len(waits), f"{len(posts)} {kind} but {len(waits)} waits"
+        total += len(posts)
+        n += sum(any(post < hi and lo < done for lo, hi in blocks) for post, done in zip(posts, waits))
+    return [n, total]
+
+def checksum(model):
+    """A bitwise fingerprint of every parameter."""
+    crc = 0
+    for p in model.parameters():
+        crc = zlib.crc32(p.detach().cpu().contiguous().numpy().tobytes(), crc)
+    return crc
+
+def restore(comm, model, optimizer, shard):
+    """Every rank loads the one saved model (any world size, any layout); returns the losses so far."""
+    model.load_state_dict(shard["model"])
+    optimizer.load_state_dict(shard["optimizer"])
+    return shard["losses"]
+
+# --- Report: header, the summary and --json ----------------------------------
+def formulas(args, world_size, params):
+    """The docstring's bytes per step and rank, and the causal pairs of each rank (one layer,
+    sequence and head)."""
+    n, t, L = world_size, args.seq_len, args.layers
+    block = 4 * args.batch_size * (t // n) * args.hidden  # S: one rank's K (or V) of one layer
+    exchange = L * 2 * block * (3 * n - 2 if args.cp_comm == "ring" else n + 2)
+    if args.layout == "contiguous":
+        b = t // n
+        pairs = [r * b * b + b * (b + 1) // 2 for r in range(n)]
+    else:
+        c = t // (2 * n)
+        pairs = [(2 * n - 1) * c * c + c * (c + 1)] * n
+    return exchange + 4 * params + 8, exchange, pairs
+
+def print_header(comm, args, run, model, resumed):
+    n, params = comm.Get_size(), sum(p.numel() for p in model.parameters())
+    if resumed:
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)")
+    split = (f"chunks r and {2 * n - 1}-r of {2 * n}, {args.seq_len // (2 * n)} positions each" if args.layout == "zigzag"
+             else f"positions [r x {args.seq_len // n}, (r+1) x {args.seq_len // n})")
+    print0(comm, *run.header,
+           f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, {params:,} parameters, "
+           f"whole on every rank",
+           f"each rank: {args.seq_len // n} of {args.seq_len} positions of all {args.batch_size} sequences "
+           f"(--layout {args.layout}: rank r holds {split}) | attention: --cp-comm {args.cp_comm}"
+           + (", no overlap (each exchange waited before its block)" if args.no_overlap else ""),
+           f"text: {' + '.join(s + '.py' for s in SOURCES)} of Python {sys.version.split()[0]} "
+           f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes")
+
+def report(comm, args, run, model, losses, records, counted, meter, checked):
+    """The summary lines and the file's JSON keys; finish() prints them with the house's."""
+    n, steps_run = comm.Get_size(), max(1, len(records))
+    params = sum(p.numel() for p in model.parameters())
+    sent = sum(b for name, b in counted.bytes.items() if name != "Irecv") / steps_run  # Irecv: bytes received
+    calls = {name: c / steps_run for name, c in counted.calls.items()}
+    total_formula, exchange_formula, pairs_formula = formulas(args, n, params)
+    tally = model.attention.tally
+    pairs = comm.allgather(tally["pairs"] // max(1, tally["calls"]))
+    scores = comm.allgather(tally["scores"] // max(1, tally["calls"]))
+    saved = comm.allgather(meter.bytes)
+    diff, plain, one = checked if checked else (None, None, None)
+    overlap = {}
+    if args.cp_comm == "ring":
+        overlap["kv_messages_under_compute"] = [int(v) for v in comm.allreduce(
+            torch.tensor(kv_messages_under_compute(run.timeline.step_events))).tolist()]
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
+             f"{math.log(VOCAB):.4f})",
+             f"bytes handed to MPI per step and rank: {sent:,.0f}; formula {total_formula:,} = "
+             + (f"L x 2S x (3N-2) = {exchange_formula:,} (K/V forward and backward, dK/dV home)" if args.cp_comm == "ring"
+                else f"L x 2S x (N+2) = {exchange_formula:,} (Allgather twice, Reduce_scatter_block)")
+             + f" + 4P + 8 = {4 * params + 8:,} (gradients, loss)",
+             f"causal pairs per rank (one layer, sequence and head): {pairs}; formula {pairs_formula} "
+             f"({'equal on every rank' if args.layout == 'zigzag' else 'r x B^2 + B(B+1)/2'}); scores computed "
+             f"(masked or not): {scores}",
+             f"activation bytes saved for backward per rank: {', '.join(f'{b:,}' for b in saved)}"
+             + (f"; one process (this attention, whole sequence): {one:,} = {n} x {one / n:,.0f}; plain attention: "
+                f"{plain:,} (it saves the T x T weights)" if one else "")]
+    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+        "cp_layout": args.layout, "cp_comm": args.cp_comm, "overlap": overlap,
+        "comm_bytes_per_step": max(comm.allgather(sent)), "comm_bytes_formula": total_formula,
+        "collectives_per_step": sum(c for name, c in calls.items() if name not in ("Isend", "Irecv")),
+        "messages_per_step": calls.get("Isend", 0), "calls_by_kind": calls,
+        "causal_pairs_per_rank": pairs, "causal_pairs_formula": pairs_formula, "scores_computed_per_rank": scores,
+        "activation_bytes_per_rank": saved, "activation_bytes_one_process": one,
+        "activation_bytes_plain_attention": plain, "parameters": params})
+
+def parse_args(argv, world_size):
+    p = common_arguments("Context parallelism over MPI: ring attention on a small GPT, the sequence split.",
+                         steps=50, batch_size=16, lr=0.1, log_every=10)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=240, help="characters per sequence (2N divides 240 for N <= 6)")
+    p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag", help="which positions a rank holds")
+    p.add_argument("--cp-comm", choices=("ring", "allgather"), default="ring", help="how K and V reach every rank")
+    p.add_argument("--no-overlap", action="store_true", help="ring baseline: wait for each exchange before computing")
+    args = check_common(p.parse_args(argv))
+    n, t = world_size, args.seq_len
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
+                          f"size; use a multiple of {args.heads}, e.g. {16 * args.heads}")
+    if t >= len(load_text()):
+        raise ConfigError(f"--seq-len {t} must be shorter than the text ({len(load_text())})")
+    parts = 2 * n if args.layout == "zigzag" else n
+    if t % parts:
+        raise ConfigError(f"--seq-len {t} does not split into {parts} equal chunks (--layout {args.layout} on {n} "
+                          f"ranks); use a multiple of {parts}, e.g. {max(parts, t // parts * parts)} or "
+                          f"{(t // parts + 1) * parts}" + (f", or --layout contiguous (a multiple of {n})"
+                                                          if args.layout == "zigzag" else ""))
+    if args.no_overlap and args.cp_comm != "ring":
+        raise ConfigError("--no-overlap is the ring's baseline; --cp-comm allgather has no exchange in flight to "
+                          "switch off: drop --no-overlap, or use --cp-comm ring")
+    return args
+
+# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
+    ref_state = ref_model.state_dict()
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+
+# --- Report: progress, the summary and --json, --trace -----------------------
+def print_progress(comm, args, step, loss, record):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
+                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+
+def finish(comm, args, run, losses, records, diff, compared, lines, keys):
+    """The summary: the file's own `lines`, the split of a step (medians over the steps after the
+    first, of the slowest rank), the peak memory each rank measured, the overlap counts of the
+    last step (keys['overlap']) and the check's verdict; then --json, the house keys and the
+    file's `keys`. Returns the exit status: 1 when the check exceeds the tolerance."""
+    medians = [{k: statistics.median(r[k] for r in (mine[1:] or mine)) for k in mine[0]}
+               for mine in comm.allgather(records)]
+    slowest = max(medians, key=lambda m: m["step_s"])
+    peaks = comm.allgather(run.memory.bytes)
+    ok = diff is None or diff <= TOLERANCE
+    overlap = keys.get("overlap") or {}
+    print0(comm, *lines,
+           f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+           f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
+           f"peak memory per rank ({run.memory.what}): {' | '.join(f'{p / 1e6:.2f}' for p in peaks)} MB",
+           *(["overlap, last step (started in time / all): "
+              + ", ".join(f"{name} {n}/{total}" for name, (n, total) in overlap.items())] if overlap else []),
+           *([f"check against single-process training: max |diff| {diff:.2e} ({compared}; tolerance "
+              f"{TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}"] if diff is not None else []))
+    if args.json:
+        print0(comm, json.dumps({
+            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"], "comm_s": slowest["comm_s"],
+            "idle_s": slowest["idle_s"], "check_max_abs_diff": diff, "peak_memory_bytes_per_rank": peaks, **keys}))
+    return 0 if ok else 1
+
+def write_trace(comm, timeline, path):
+    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
+    events = comm.gather(timeline.events, root=0)
+    if comm.Get_rank() == 0:
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
+        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
+                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
+        with open(path, "w") as out:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
+
+def print0(comm, *lines, file=None):
+    if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
+        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
+
+# --- Checkpoints: a folder appears whole or not at all; a signal stops at a step's end
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a batch system's time limit, or its warning
+stop_requested = []  # the signals this rank received
+
+def checkpoint_if_due(comm, args, step, make_shard, config):
+    """At the end of `step`: save when --save-every or the last step says so, or when any rank got
+    SIGTERM or SIGUSR1 (the ranks agree on it here, so all stop after the same step); after a
+    signal's save, end the job with status 0. make_shard() gives this rank's shard (collective)."""
+    stop = comm.allreduce(bool(stop_requested), op=MPI.LOR) and step + 1 < args.steps
+    if args.save and (stop or step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+        save_checkpoint(comm, args.save, step + 1, make_shard(), config)
+    if stop:
+        print0(comm, f"stopped by a signal after step {step + 1} of {args.steps}: " +
+               (f"checkpoint saved in {args.save}; rerun with --resume to continue" if args.save
+                else "nothing saved (no --save)"))
+        sys.exit(0)
+
+def checkpoints(root):
+    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
+    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
+    return [os.path.join(root, n) for n in names]
+
+def write_durably(path, data):
+    with open(path, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+def save_checkpoint(comm, root, step, shard, config, keep=2):
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
+    manifest and renames the folder to step-N: a job killed before the rename leaves the
+    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
+    every rank with one line, the previous checkpoint whole."""
+    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    files, error = {}, None
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    comm.Barrier()
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        if shard is not None:
+            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
+            torch.save(shard, stream)
+            write_durably(os.path.join(tmp, name), stream.getvalue())
+            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+    except OSError as e:
+        error = f"rank {comm.Get_rank()}: {e}"
+    gathered = comm.gather((files, error), root=0)
+    if comm.Get_rank() == 0:
+        error = next((e for _, e in gathered if e), None)
+        try:
+            if error is None:
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # atomic: the checkpoint is now complete
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)  # make the rename itself durable
+                os.close(fd)
+                for old in checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (checkpoints(root) or ["none"])[-1]
+        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
+                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
+
+def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified; (None,
+    None) when root holds none yet (a batch job's first run), which rank 0 says. Any problem on
+    any rank is a ConfigError on every rank."""
+    error = manifest = shard = None
+    try:
+        found = checkpoints(root)
+        if not found:
+            print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
+            return None, None
+        path = found[-1]
+        with open(os.path.join(path, "manifest.json")) as stream:
+            manifest = json.load(stream)
+        if manifest["strategy"] != STRATEGY:
+            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if manifest["step"] >= steps:
+            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
+                              f"train; ask for more steps to continue")
+        if same_world_size and manifest["world_size"] != comm.Get_size():
+            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
+                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
+        if manifest["config"] != config:
+            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
+        name = shard_name(manifest)
+        with open(os.path.join(path, name), "rb") as stream:
+            digest = hashlib.sha256(stream.read()).hexdigest()
+        if digest != manifest["files"][name]:
+            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
+        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except ConfigError as e:
+        error = str(e)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return manifest, shard
+
+# --- Counters, timeline and memory: measured around the strategy's own work ---
+class Timeline:
+    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
+    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
+    (step_record), so that timing never stalls the device in the middle of a step."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
+        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+        self.step_events = []  # the events of the last recorded step
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, mark):
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
+
+    @contextlib.contextmanager
+    def span(self, cat, name):
+        start, children = self._mark(), []
+        self.open.append(children)
+        try:
+            yield
+        finally:
+            self.open.pop()
+            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
+
+    def step_record(self, start):
+        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
+        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once a step: every event of the step has happened
+        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+        first = len(self.events)
+
+        def own_time(name, cat, start_mark, end_mark, children):
+            begin, end = self._seconds(start_mark), self._seconds(end_mark)
+            self.events.append((name, cat, begin, end))
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            return end - begin
+
+        for span in self.closed:
+            own_time(*span)
+        self.closed, self.step_events = [], self.events[first:]
+        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
+        return record
+
+def started_within(events, exchange, compute):
+    """[n, total]: of the spans named `exchange` (a name or a tuple of names), how many began
+    while a span named `compute` (likewise) was running: started in time to hide behind it."""
+    names = lambda x: (x,) if isinstance(x, str) else tuple(x)
+    running = [(begin, end) for name, _, begin, end in events if name in names(compute)]
+    starts = [begin for name, _, begin, _ in events if name in names(exchange)]
+    return [sum(any(lo <= s < hi for lo, hi in running) for s in starts), len(starts)]
+
+class CountedComm:
+    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
+    way the buffer methods are counted (calls, bytes of the first buffer, by name) and timed as
+    'comm' spans. Their requests' Wait polls with short sleeps (MPICH's Wait spins on the core of
+    a rank that computes): a point-to-point wait is the peer's lateness (idle), a collective's comm."""
+
+    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
+               "Allgather", "Iallgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+               "Ireduce_scatter_block", "Alltoall", "Alltoallv", "Ialltoallv"}
+
+    def __init__(self, comm, timeline):
+        self.comm, self.timeline = comm, timeline
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def reset(self):
+        self.calls.clear(), self.bytes.clear()
+
+    def __getattr__(self, name):
+        call = getattr(self.comm, name)
+        if name not in self.COUNTED:
+            return call
+
+        def counted(*args, **kwargs):
+            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
+            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+            self.calls[name] += 1
+            self.bytes[name] += buffer.numel() * buffer.element_size()
+            with self.timeline.span("comm", name):
+                result = call(*args, **kwargs)
+            if not isinstance(result, MPI.Request):
+                return result
+            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
+        return counted
+
+class CountedRequest:
+    def __init__(self, request, timeline, cat, name):
+        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
+
+    def Test(self):
+        return self.request.Test()
+
+    def Wait(self):
+        with self.timeline.span(self.cat, self.name + " wait"):
+            while not self.request.Test():
+                time.sleep(POLL_S)
+
+class PeakMemory:
+    """The most memory this rank held while training, less what it held before the model was
+    built. CUDA: the allocator's peak. CPU: the peak resident set (VmHWM) less its file-backed
+    pages (torch's code, loaded as kernels are first used), which means something because
+    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process."""
+
+    def __init__(self, device):  # before the model is built
+        __import__("torch._dynamo")  # torch's first optimizer imports it: 60+ MB of Python, not training
+        self.cuda = device.type == "cuda"
+        self.what = "CUDA allocator's peak" if self.cuda else "peak resident set less code, less the process before the model"
+        self.baseline = 0 if self.cuda else proc_status("VmRSS") - proc_status("RssFile")
+
+    def reset(self):
+        """From here on: the peak of training, not that of building the model."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # Linux: the peak resident set starts again from the current one
+
+    def stop(self):
+        """The peak until now: the check and the report that follow training do not count."""
+        self.bytes = (torch.cuda.max_memory_allocated() if self.cuda else
+                      max(0, proc_status("VmHWM") - proc_status("RssFile") - self.baseline))
+
+def proc_status(key):
+    """A size from /proc/self/status in bytes (Linux; 0 elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) * 1024 for line in status if line.startswith(key + ":")), 0)
+    return 0
+
+# --- Device and MPI setup -----------------------------------------------------
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+def launcher_local_rank():
+    """This rank's index on its node, as the launcher tells it (Open MPI, Slurm, MPICH, MVAPICH)."""
+    return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+
+def start_mpi():
+    """Before MPI starts: give freed memory back to the system at once (glibc otherwise keeps
+    freed blocks of up to 32 MB, and the resident set would never fall), and choose this rank's
+    GPU, since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI
+    with threads: on a GPU, autograd calls MPI from a thread of its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
+    local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
+    if local is not None and not cpu and torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not MPI.Is_initialized():  # the level mpi4py.rc.thread_level asks for (MPI4PY_RC_THREAD_LEVEL)
+        MPI.Init_thread(getattr(MPI, "THREAD_" + mpi4py.rc.thread_level.upper()))
+
+def setup(comm, args):
+    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
+    signal handlers, and the header's facts."""
+    global CUDA_AWARE
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    launcher = launcher_local_rank()
+    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    notes = [f"note: the launcher says local rank {launcher}, the node's ranks say {local_rank}"] if launcher not in (None, local_rank) else []
+    if args.device == "cuda" or (args.device == "auto" and gpus):
+        device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
+        torch.cuda.set_device(device)
+        check_thread_level(MPI.Query_thread())
+        CUDA_AWARE = mpi_cuda_aware(comm)
+        if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
+            try:
+                torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+            except AttributeError:  # torch before 2.9
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
+        if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
+            notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
+    else:
+        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
+        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
+        if local_size > cores:
+            notes.append(f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns")
+    node.Free()
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda number, frame: stop_requested.append(number))
+    comm.Barrier()  # the timeline's zero, about the same moment on every rank
+    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+              f"CUDA buffers: {transport}"] + notes
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
+
+def mpi_cuda_aware(comm):
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
+    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        kinds = None
+    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    forced = os.environ.get("MPI_CUDA_AWARE")
+    if forced == "1" and says is False:
+        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
+                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
+                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
+    return forced == "1" if forced in ("0", "1") else bool(says)
+
+def cuda_in_kinds(kinds):
+    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
+    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
+    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
+
+def mpix_query_cuda_support():
+    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
+    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
+    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    return None
+
+def check_thread_level(provided):
+    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
+    if provided < MPI.THREAD_SERIALIZED:
+        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
+                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
+                          f"keep mpi4py.rc.thread_level (MPI4PY_RC_THREAD_LEVEL) at its default, 'multiple'")
+
+def mpi_library():
+    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
+    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
+    return text.strip().splitlines()[0].strip()
+
+
+# --- Arguments, and the paths a run will write, checked before anything is built
+class ConfigError(Exception):
+    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
+    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
+
+    def __init__(self, message, status=2):
+        super().__init__(message)
+        self.status = status
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage on every rank."""
+
+    def error(self, message):
+        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
+                          else message)
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+def checked(kind, ok, must):
+    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
+    def parse(text):
+        value = kind(text)  # a ValueError is argparse's own "invalid int value: 'x'"
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+COUNT = checked(int, lambda v: v > 0, "a positive integer")
+COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
+AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+
+def common_arguments(description, steps, batch_size, lr, log_every):
+    p = Parser(description=description)
+    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
+    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with single-process training (default: on)")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
+    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    return p
+
+def check_common(args):
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return args
+
+
+def check_paths(comm, args):
+    """Before anything is built, each rank tries what it will write: --save, a folder (made if
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    rank, error = comm.Get_rank(), None
+    try:
+        if args.save:
+            if os.path.exists(args.save) and not os.path.isdir(args.save):
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", args.save)
+            os.makedirs(args.save, exist_ok=True)
+            write_durably(os.path.join(args.save, f".probe-{rank}"), b"")
+        if args.trace and rank == 0:
+            open(args.trace, "a").close()
+    except OSError as e:
+        error = f"cannot write {e.filename}: {e.strerror}"
+    comm.Barrier()
+    if args.save and error is None:  # a folder on a node-local disk hides the other nodes' probes
+        unseen = [r for r in range(comm.Get_size()) if not os.path.exists(os.path.join(args.save, f".probe-{r}"))]
+        error = unseen and (f"--save {args.save}: rank {rank} does not see the files of rank(s) "
+                            f"{', '.join(map(str, unseen))}; checkpoints need a folder every rank shares")
+    errors = [e for e in comm.allgather(error) if e]
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(os.path.join(args.save, f".probe-{rank}"))
+    if errors:
+        raise ConfigError(errors[0])
+
+def abort_on_exception(kind, value, tb):
+    """An exception on one rank must end the whole job, not leave the others in a collective."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    text = "".join(traceback.format_exception(kind, value, tb))
+    print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+if __name__ == "__main__":
+    start_mpi()
+    sys.excepthook = abort_on_exception
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""context_parallel.py: the attention alone and whole training on sub-communicators of sizes 1 to 4,
+in both layouts and both variants, the counts beside their formulas, then the script as launched."""
+import json
+import math
+
+import pytest
+import torch
+
+import context_parallel as cp
+from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm
+
+CPU = torch.device("cpu")
+VARIANTS = [("ring", True), ("ring", False), ("allgather", True)]  # (--cp-comm, overlap)
+LAYOUTS = ["zigzag", "contiguous"]
+# The attention alone against float64 autograd on the whole sequence, each of out, lse, dQ, dK, dV
+# relative to its largest entry (scores up to 17, dK up to 10): float32 autograd itself is off by
+# up to 3.5e-7 of that, ours measured at most 1.8e-6 (dK: the weights recomputed from the final
+# lse, exp(s - lse), carry lse's rounding). The bound is 5 times ours.
+ATTENTION_TOLERANCE = 1e-5
+# 24 positions: 2N divides them for every N in SIZES. Two heads, so that heads are kept apart.
+SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "24", "--batch-size", "3"]
+
+
+def plain_attention(q, k, v):
+    """Causal attention on the whole sequence, by autograd: the output and the log-sum-exp."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    future = torch.ones(q.size(2), k.size(2), dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    return scores.softmax(-1) @ v, scores.logsumexp(-1)
+
+
+def largest(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def relative(a, b):
+    """Largest |a - b| over the largest |b|."""
+    return largest(a, b) / b.abs().max().item()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cp_comm, overlap", VARIANTS)
+def test_attention_alone_equals_autograd_on_the_whole_sequence(size, layout, cp_comm, overlap):
+    """out, lse, dQ, dK and dV of this rank's positions against one process's in float64, with
+    large scores (q scaled); the causal pairs of the ranks add up to T(T+1)/2."""
+    with sub_comm(size) as comm:
+        diff, ok = 0.0, True
+        if comm is not None:
+            t, g = 24, torch.Generator().manual_seed(size)
+            q, k, v, upstream = (torch.randn(2, 2, t, 8, generator=g) for _ in range(4))
+            q = 4 * q
+            full = [z.double().requires_grad_() for z in (q, k, v)]
+            out_full, lse_full = plain_attention(*full)
+            (out_full * upstream.double()).sum().backward()
+
+            positions = cp.shard_positions(t, size, layout)
+            mine = positions[comm.Get_rank()]
+            counted = cp.CountedComm(comm, cp.Timeline(CPU))
+            attention = cp.ContextParallelAttention(counted, positions, cp_comm, overlap, counted.timeline, CPU)
+            local = [z[:, :, mine].clone().requires_grad_() for z in (q, k, v)]
+            out, lse = attention.function.apply(*local, attention)
+            (out * upstream[:, :, mine]).sum().backward()
+            diff = max(relative(out, out_full[:, :, mine]), relative(lse, lse_full[:, :, mine]),
+                       *(relative(z.grad, f.grad[:, :, mine]) for z, f in zip(local, full)))
+            pairs = comm.allreduce(attention.tally["pairs"])
+            ok &= pairs == t * (t + 1) // 2  # every causal pair computed once, none skipped
+            if cp_comm == "ring":  # K/V N-1 times forward and backward, dK/dV N hops home
+                ok &= counted.calls == {"Isend": 3 * size - 2, "Irecv": 3 * size - 2}
+            else:
+                ok &= counted.calls == {"Allgather": 2, "Reduce_scatter_block": 1}
+        assert max_everywhere(diff) < ATTENTION_TOLERANCE
+        assert agree(ok)
+
+
+def test_the_layouts_hold_every_position_once_and_zigzag_pairs_chunks():
+    for n in SIZES:
+        for layout in LAYOUTS:
+            table = cp.shard_positions(24, n, layout)
+            assert sorted(table.flatten().tolist()) == list(range(24))
+        zigzag, c = cp.shard_positions(24, n, "zigzag"), 24 // (2 * n)
+        for r in range(n):  # chunks r and 2N-1-r
+            assert zigzag[r].tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * n - 1 - r) * c, (2 * n - r) * c))
+
+
+def test_merging_is_stable_where_exp_would_overflow():
+    """Two blocks whose log-sum-exps are 1e4 apart: the merge gives the better block, no NaN."""
+    out, lse = torch.zeros(1, 1, 2, 3), torch.tensor([[[1e4, -1e4]]])
+    block_out, block_lse = torch.ones(1, 1, 2, 3), torch.tensor([[[-1e4, 1e4]]])
+    cp.merge(out, lse, block_out, block_lse, torch.arange(2))
+    assert torch.equal(out[0, 0, 0], torch.zeros(3)) and torch.equal(out[0, 0, 1], torch.ones(3))
+    assert torch.equal(lse, torch.tensor([[[1e4, 1e4]]]))
+
+
+def train(comm, argv, steps=3):
+    """Train SMALL for `steps` on comm; the model, its counted communicator, the meter, the losses."""
+    args = cp.parse_args(SMALL + ["--steps", str(steps), *argv], comm.Get_size())
+    counted = cp.CountedComm(comm, cp.Timeline(CPU))
+    run = cp.types.SimpleNamespace(device=CPU, timeline=counted.timeline)
+    model, optimizer = cp.context_parallel_model(args, counted, run.timeline, CPU)
+    meter = cp.SavedBytes(model)
+    losses, _ = cp.train(args, counted, run, model, optimizer, meter)
+    return args, model, counted, meter, losses
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cp_comm", ["ring", "allgather"])
+def test_training_equals_one_process_at_every_size_with_counts_beside_their_formulas(layout, cp_comm):
+    """N = 1 to 4: losses and parameters within TOLERANCE of one process (hence the same at every N);
+    bytes handed to MPI per step = the formula; causal pairs per rank = the formula (zigzag: equal
+    on every rank; contiguous: not); saved activations 1/N of one process's, up to 4 bytes."""
+    failures = []
+    for size in SIZES:
+        with sub_comm(size) as comm:
+            diff = 0.0
+            if comm is not None:
+                args, model, counted, meter, losses = train(comm, ["--layout", layout, "--cp-comm", cp_comm])
+                diff, plain, one = cp.check(comm, args, losses, model)
+                params = sum(p.numel() for p in model.parameters())
+                sent = sum(b for name, b in counted.bytes.items() if name != "Irecv") / args.steps
+                total, _, pairs = cp.formulas(args, size, params)
+                counted_pairs = comm.allgather(model.attention.tally["pairs"] // model.attention.tally["calls"])
+                saved = meter.bytes
+                if sent != total:
+                    failures.append((size, "bytes", sent, total))
+                if counted_pairs != pairs or len(set(pairs)) != (1 if layout == "zigzag" else size):
+                    failures.append((size, "pairs", counted_pairs, pairs))
+                # The loss's total weight (a 4-byte scalar) is the one saved tensor that does not
+                # shrink with the positions: measured N x saved - one = 4(N-1) at every N.
+                if abs(saved * size - one) > 4 * size:
+                    failures.append((size, "activations", saved, one))
+                if not one < plain:  # plain attention saves the T x T weights besides
+                    failures.append((size, "plain", one, plain))
+            if max_everywhere(diff) > cp.TOLERANCE:
+                failures.append((size, "diff", diff))
+    assert agree(not failures), failures
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_kv_messages_are_in_flight_while_blocks_compute_and_not_without_overlap(size):
+    """From the timeline of the last step: with overlap, every ring message but the dK/dV's last
+    hop home (2 per layer) is in flight during an attention block, L(6N-6) of L(6N-4) per rank; with
+    --no-overlap, each exchange is waited for before its block: none."""
+    with sub_comm(size) as comm:
+        counts = {}
+        if comm is not None:
+            for flag in ([], ["--no-overlap"]):
+                _, _, counted, _, _ = train(comm, flag, steps=1)
+                counts[bool(flag)] = cp.kv_messages_under_compute(counted.timeline.step_events)
+        L = 2
+        assert agree(comm is None or counts == {False: [L * (6 * size - 6), L * (6 * size - 4)],
+                                                True: [0, L * (6 * size - 4)]}), counts
+
+
+@pytest.mark.mpi
+def test_check_reports_a_nudged_parameter_or_loss_and_nan():
+    """Negative control in process: the trained state nudged by 1.5 x TOLERANCE (a parameter on
+    every rank, or the last loss), or a NaN, must be reported above the tolerance."""
+    with sub_comm(2) as comm:
+        failures = []
+        if comm is not None:
+            args, model, _, _, losses = train(comm, [], steps=2)
+            p = next(model.parameters()).detach().view(-1)
+            if not cp.check(comm, args, losses, model)[0] <= cp.TOLERANCE:
+                failures.append("unperturbed")
+            p[0] += 1.5 * cp.TOLERANCE
+            if not cp.check(comm, args, losses, model)[0] > cp.TOLERANCE:
+                failures.append("parameter")
+            p[0] -= 1.5 * cp.TOLERANCE
+            if not cp.check(comm, args, losses[:-1] + [losses[-1] + 1.5 * cp.TOLERANCE], model)[0] > cp.TOLERANCE:
+                failures.append("loss")
+            p[0] = math.nan
+            if not cp.check(comm, args, losses, model)[0] > cp.TOLERANCE:
+                failures.append("NaN")
+        assert agree(comm is None or not failures), failures
+
+
+@pytest.mark.parametrize("argv, world_size, words", [
+    (["--seq-len", "90"], 2, ["--seq-len 90", "4 equal chunks", "e.g. 88 or 92", "--layout contiguous"]),
+    (["--seq-len", "90", "--layout", "contiguous"], 4, ["--seq-len 90", "4 equal chunks", "e.g. 88 or 92"]),
+    ([], 7, ["--seq-len 240", "14 equal chunks"]),
+    (["--hidden", "50"], 1, ["--hidden 50", "4 heads"]),
+    (["--cp-comm", "allgather", "--no-overlap"], 2, ["--no-overlap", "--cp-comm ring"]),
+    (["--layout", "diagonal"], 1, ["--layout", "zigzag", "contiguous"]),
+    (["--seq-len", "10000000"], 1, ["--seq-len"]),
+    (["--steps", "0"], 1, ["--steps"]),
+])
+def test_impossible_inputs_are_rejected_with_what_would_work(argv, world_size, words):
+    with pytest.raises(cp.ConfigError) as error:
+        cp.parse_args(argv, world_size)
+    assert all(w in str(error.value) for w in words), str(error.value)
+
+
+E2E = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "48", "--batch-size", "4", "--steps", "4",
+       "--json"]
+
+
+@pytest.mark.e2e
+def test_launched_ring_passes_its_check_with_counts_beside_formulas_and_a_trace(tmp_path):
+    """The default layout and variant at N = 4: the JSON's counts against their formulas, the
+    overlap (every rank: L(6N-6) of L(6N-4)), and a trace with every rank's blocks and messages."""
+    run = last_json(launch("context_parallel.py", 4, *E2E, "--trace", tmp_path / "t.json"))
+    assert run["check_max_abs_diff"] <= cp.TOLERANCE and run["losses"][-1] < run["losses"][0]
+    assert (run["cp_layout"], run["cp_comm"]) == ("zigzag", "ring")
+    assert run["comm_bytes_per_step"] == run["comm_bytes_formula"]
+    assert run["causal_pairs_per_rank"] == run["causal_pairs_formula"] and len(set(run["causal_pairs_per_rank"])) == 1
+    assert run["overlap"] == {"kv_messages_under_compute": [4 * 2 * 18, 4 * 2 * 20]}
+    assert all(abs(b * 4 - run["activation_bytes_one_process"]) <= 16 for b in run["activation_bytes_per_rank"])
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    for rank in range(4):
+        names = {e["name"] for e in trace if e["ph"] == "X" and e["pid"] == rank}
+        assert {"forward", "backward", "attention block", "Isend", "Irecv", "Allreduce"} <= names
+
+
+@pytest.mark.e2e
+def test_launched_contiguous_without_overlap_with_every_buffer_staged():
+    """--layout contiguous --no-overlap at N = 3, every buffer handed to MPI a host copy (each copy
+    back exercised): the check passes, the pairs are those of the formula and unequal, none of the
+    K/V messages is in flight during a block."""
+    run = last_json(launch("context_parallel.py", 3, *E2E, "--layout", "contiguous", "--no-overlap",
+                           env=clean_env(STAGE_ALL=1)))
+    assert run["check_max_abs_diff"] <= cp.TOLERANCE and run["comm_bytes_per_step"] == run["comm_bytes_formula"]
+    assert run["causal_pairs_per_rank"] == run["causal_pairs_formula"] == [136, 392, 648]
+    assert run["overlap"] == {"kv_messages_under_compute": [0, 3 * 2 * 14]}
+
+
+@pytest.mark.e2e
+def test_a_nudged_parameter_fails_the_launched_check():
+    """Negative control as launched: FAIL_AT=*:2:nudge moves every rank's first parameter by
+    10 x TOLERANCE after step 2; the check must print -> FAIL and the job exit 1."""
+    result = launch("context_parallel.py", 2, *E2E[:-1], "--cp-comm", "allgather", env=clean_env(FAIL_AT="*:2:nudge"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "-> FAIL" in result.stdout and "Traceback" not in result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_a_sequence_that_2n_does_not_divide_exits_2_with_one_line():
+    assert_refused(launch("context_parallel.py", 2, "--seq-len", "90", timeout=60), "use a multiple of 4")
