@@ -1,18 +1,19 @@
 """Hybrid parallelism over MPI: data, tensor and pipeline parallelism at once, on a 3-D grid of ranks.
 
 What is split: everything, as Megatron-LM splits its largest models (Narayanan et al. 2021). The
-D x T x P ranks of the world form a grid (--dp D --tp T --pp P):
-  tensor (T):   within a stage every weight matrix is split over T ranks: Megatron's f and g,
-                column- and row-parallel linears, the vocabulary-parallel embedding on the first
-                stage and the vocabulary-parallel cross-entropy on the last (Shoeybi et al. 2019);
+P x D x T ranks of the world form a grid (--pp P --dp D --tp T); a rank's place in it is written
+(pp, dp, tp) throughout, the axis that varies slowest first:
   pipeline (P): the blocks are cut into P stages, each replica's share of the batch into M
                 micro-batches (--micro-batches) that flow through the stages in the 1F1B order;
   data (D):     D replicas of that pipeline each take B/D of the global batch of B sequences;
-                their gradients are averaged by a bucketed allreduce.
+                their gradients are averaged by a bucketed allreduce;
+  tensor (T):   within a stage every weight matrix is split over T ranks: Megatron's f and g,
+                column- and row-parallel linears, the vocabulary-parallel embedding on the first
+                stage and the vocabulary-parallel cross-entropy on the last (Shoeybi et al. 2019).
 
   global rank = pp x (D x T) + dp x T + tp (Megatron's order: the tensor-parallel ranks are
   consecutive, so that under a normal launch they share a node and its fast links; then data;
-  pipeline outermost). --dp 2 --tp 2 --pp 2 on 8 ranks, 4 blocks:
+  pipeline outermost). --pp 2 --dp 2 --tp 2 on 8 ranks, 4 blocks:
 
                         stage 0 (pp 0)                          stage 1 (pp 1)
                     embedding, blocks 0-1                blocks 2-3, norm, head, loss
@@ -24,25 +25,25 @@ D x T x P ranks of the world form a grid (--dp D --tp T --pp P):
    replica 1    [ rank 2  |  rank 3 ]  ==================>  [ rank 6  |  rank 7 ]
      (dp 1)        tp 0       tp 1     <==================     tp 0       tp 1
 
-  [ a | b ]: a tensor-parallel group, allreduces inside every layer (0-1, 2-3, 4-5, 6-7);
   ==>: point-to-point between the ranks of equal (dp, tp) (0-4, 1-5, 2-6, 3-7);
-  gradient allreduce: between the ranks of equal (pp, tp) (0-2, 1-3, 4-6, 5-7).
+  gradient allreduce: between the ranks of equal (pp, tp) (0-2, 1-3, 4-6, 5-7);
+  [ a | b ]: a tensor-parallel group, allreduces inside every layer (0-1, 2-3, 4-5, 6-7).
 
 Communication per step, summed over every rank of the grid (L blocks, B sequences of S characters,
 hidden size h, M micro-batches, float32 = 4 bytes; an axis of size 1 moves nothing):
-  tensor:   D x M x (4L + 5) allreduces (per micro-batch and replica: 2 per block forward (g) and
-            2 backward (f), the embedding's g, the head's f, 3 for the loss);
-            T x [(4L + 2) x 4BSh + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
   pipeline: 2M(P - 1) x D x T messages, 2(P - 1) x T x 4BSh bytes, no collective: each of a stage's
             T ranks sends its own copy of the activation to its peer in the next stage.
   data:     one allreduce per bucket (--bucket-mb) in each of the P x T groups of equal (pp, tp);
             D x 4W bytes, W the parameters of one replica: the model's, its vocabulary padded to a
             multiple of T, plus (T - 1) x (Sh + 6Lh + 2h) held whole on every tensor-parallel rank
             (LayerNorms, position embedding, row-parallel biases).
+  tensor:   D x M x (4L + 5) allreduces (per micro-batch and replica: 2 per block forward (g) and
+            2 backward (f), the embedding's g, the head's f, 3 for the loss);
+            T x [(4L + 2) x 4BSh + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
-Tensor parallelism moves activations twice each way in every block, on the critical path; the
-pipeline one activation per micro-batch and stage boundary; data parallelism the gradients once
-per step, overlapped with the last backward.
+The pipeline moves one activation per micro-batch and stage boundary, its sends in flight while
+the next micro-batch computes; data parallelism the gradients once per step, overlapped with the
+last backward; tensor parallelism activations twice each way in every block, on the critical path.
 
 When to choose it: the model outgrows one node. Put the tensor axis inside a node (fast links),
 the pipeline across nodes (little traffic), data parallelism over the replicas the devices leave;
@@ -51,7 +52,7 @@ more micro-batches shrink the bubble.
 The network: the GPT of tensor_parallel.py and pipeline_parallel.py, on the source of Python's own
 argparse.py, textwrap.py and shlex.py.
 
-Run:  mpirun -np 8 python hybrid_parallel.py --dp 2 --tp 2 --pp 2      (add --help for the flags)
+Run:  mpirun -np 8 python hybrid_parallel.py --pp 2 --dp 2 --tp 2      (add --help for the flags)
 """
 import argparse
 import collections
@@ -76,13 +77,16 @@ import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mpi4py import MPI
+import mpi4py
+
+mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
+from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "hybrid_parallel"
 # Largest |difference| allowed against single-process training (float32). Row-parallel partial
 # sums, micro-batches and replicas reorder float32 sums: over 30 steps (5 blocks, hidden 32, M = 2)
-# every grid of 1, 2 and 4 ranks stayed within 4.8e-7 to 7.2e-7 in losses and parameters (1x4x1
-# the most), 2x2x2 on 8 ranks within 5.4e-7: the level of tensor_parallel.py and
+# every grid of 1, 2 and 4 ranks stayed within 4.8e-7 to 7.2e-7 in losses and parameters (--tp 4
+# the most), --pp 2 --dp 2 --tp 2 on 8 ranks within 5.4e-7: the level of tensor_parallel.py and
 # pipeline_parallel.py, whose 2e-5 this keeps (a 10 x 2e-5 nudge of one weight must show).
 TOLERANCE = 2e-5
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
@@ -91,29 +95,29 @@ VOCAB = 128  # the ASCII codes
 
 
 # -----------------------------------------------------------------------------
-# The grid: D x T x P ranks in Megatron's order, and one communicator per axis
+# The grid: P x D x T ranks in Megatron's order, and one communicator per axis
 # -----------------------------------------------------------------------------
 def coordinates(rank, dp, tp):
-    """(dp, pp, tp) of a global rank: tp varies fastest, then dp, pp slowest."""
-    return (rank // tp) % dp, rank // (dp * tp), rank % tp
+    """(pp, dp, tp) of a global rank: pp varies slowest, then dp, tp fastest."""
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
 
 
-def rank_at(d, p, t, dp, tp):
+def rank_at(p, d, t, dp, tp):
+    """The global rank at (pp, dp, tp) = (p, d, t)."""
     return p * dp * tp + d * tp + t
 
 
-def make_grid(comm, dp, tp, pp):
+def make_grid(comm, pp, dp, tp):
     """A Cartesian communicator of dimensions (pp, dp, tp), in row-major order, so the last (tp)
     varies fastest: Megatron's order. Sub() keeps one dimension: the ranks that differ only there.
-    Returns the tensor-, pipeline- and data-parallel communicators of this rank."""
+    Returns this rank's pipeline-, data- and tensor-parallel communicators."""
     cart = comm.Create_cart([pp, dp, tp], periods=[False] * 3, reorder=False)
-    p, d, t = cart.Get_coords(cart.Get_rank())
-    assert (d, p, t) == coordinates(comm.Get_rank(), dp, tp)
-    tp_comm = cart.Sub([False, False, True])  # equal (pp, dp): one stage of one replica
+    assert tuple(cart.Get_coords(cart.Get_rank())) == coordinates(comm.Get_rank(), dp, tp)
     pp_comm = cart.Sub([True, False, False])  # equal (dp, tp): one pipeline, rank = stage
     dp_comm = cart.Sub([False, True, False])  # equal (pp, tp): the replicas of one shard
+    tp_comm = cart.Sub([False, False, True])  # equal (pp, dp): one stage of one replica
     cart.Free()
-    return tp_comm, pp_comm, dp_comm
+    return pp_comm, dp_comm, tp_comm
 
 
 # -----------------------------------------------------------------------------
@@ -134,22 +138,20 @@ def allreduce(t, comm, op=MPI.SUM):
 CUDA_AWARE = False
 
 
-def mpi_buffer(t, nonblocking=False):
-    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
-    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+def mpi_buffer(t, nonblocking=False, send=True):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy (for a receive, an empty one).
+    Open MPI's non-blocking collectives never read GPU memory, CUDA-aware or not: always staged.
+    A receive into t itself waits too: t is fresh from the caching allocator, which hands out
+    memory that kernels still queued may read, and MPI writes outside the stream's order."""
     if not t.is_cuda:
         return t
     if CUDA_AWARE and not nonblocking:
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        done.synchronize()  # the kernels queued before, that write or read t, must finish first
         return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
-
-
-def receive_buffer(t):
-    """Where a receive for t lands: t itself, or an empty pinned host buffer (nothing to copy in)."""
-    return t if not t.is_cuda or CUDA_AWARE else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t) if send else host  # copy_ waits for t's kernels
 
 
 def from_mpi(t, buffer):
@@ -312,7 +314,10 @@ def layer_split(layers, pp):
 # -----------------------------------------------------------------------------
 # Pipeline parallelism across stages: 1F1B as per-rank lists of actions, proven on paper
 # -----------------------------------------------------------------------------
-Action = collections.namedtuple("Action", "op mb")  # forward, backward, send_/recv_ act/grad, reduce
+# op: forward, backward, send_act/recv_act (an activation), send_grad/recv_grad (its gradient), or
+# reduce (the data-parallel gradient allreduce); mb: the micro-batch acted on, None for reduce,
+# which sums the gradients of all M of them.
+Action = collections.namedtuple("Action", "op mb")
 
 
 class ScheduleError(Exception):
@@ -334,7 +339,7 @@ def one_f_one_b(pp, m, stage):
     actions = [a for i in range(warmup) for a in forward(i)]
     for i in range(m - warmup):
         actions += forward(warmup + i) + backward(i)
-    return actions + [a for i in range(m - warmup, m) for a in backward(i)] + [Action("reduce", m - 1)]
+    return actions + [a for i in range(m - warmup, m) for a in backward(i)] + [Action("reduce", None)]
 
 
 def dry_run(lists, dp, tp, m):
@@ -352,19 +357,20 @@ def dry_run(lists, dp, tp, m):
     spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
 
     def neighbour(r, step):  # the rank of equal (dp, tp) `step` stages away, if any
-        d, p, t = coordinates(r, dp, tp)
-        return rank_at(d, p + step, t, dp, tp) if 0 <= p + step < pp else None
+        p, d, t = coordinates(r, dp, tp)
+        return rank_at(p + step, d, t, dp, tp) if 0 <= p + step < pp else None
 
-    def group(r, op):  # who runs op together: the tensor-parallel group, or the data-parallel one
-        d, p, t = coordinates(r, dp, tp)
-        return [rank_at(e, p, t, dp, tp) for e in range(dp)] if op == "reduce" else \
-            [rank_at(d, p, u, dp, tp) for u in range(tp)]
+    def group(r, op):  # who runs op together: the data-parallel group, or the tensor-parallel one
+        p, d, t = coordinates(r, dp, tp)
+        return [rank_at(p, e, t, dp, tp) for e in range(dp)] if op == "reduce" else \
+            [rank_at(p, d, u, dp, tp) for u in range(tp)]
 
     def compute(r, op, i):
         needs = {"forward": [("act", i)] * (neighbour(r, -1) is not None),
                  "backward": [("forward", i)] + [("grad", i)] * (neighbour(r, 1) is not None),
                  "reduce": [("backward", j) for j in range(m)]}[op]
-        if (op, i) in have[r] or not 0 <= i < m or not all(x in have[r] for x in needs):
+        if (op, i) in have[r] or i not in (range(m) if op != "reduce" else [None]) or \
+                not all(x in have[r] for x in needs):
             raise ScheduleError(f"rank {r}: {op} {i} twice, out of range, or before {needs}")
         have[r].add((op, i))
         if op != "reduce":
@@ -409,7 +415,7 @@ def dry_run(lists, dp, tp, m):
     if sent:
         raise ScheduleError(f"messages never received (src, dst, kind, micro-batch): {sorted(sent)}")
     for r in range(n):  # each ran at most once and in range: 2M of them means all of them
-        if len(spans[r]) != 2 * m or ("reduce", m - 1) not in have[r]:
+        if len(spans[r]) != 2 * m or ("reduce", None) not in have[r]:
             raise ScheduleError(f"rank {r} does not run all {m} micro-batches and the reduce")
     return spans, peak
 
@@ -417,6 +423,15 @@ def dry_run(lists, dp, tp, m):
 def tag(op, mb):
     """A message's tag: its micro-batch and direction, so that no two in flight share one."""
     return 2 * mb + op.endswith("grad")
+
+
+def check_tags(comm, m):
+    """MPI promises tags up to 32767 only (MPI_TAG_UB says how far this library goes): refuse an M
+    whose largest tag, 2M - 1, it cannot carry, rather than fail inside MPI mid-step."""
+    largest, bound = tag("send_grad", m - 1), comm.Get_attr(MPI.TAG_UB)
+    if largest > bound:
+        raise ConfigError(f"--micro-batches {m} needs message tags up to {largest}, but this MPI's "
+                          f"MPI_TAG_UB is {bound}; use --micro-batches {(bound + 1) // 2} or fewer")
 
 
 # -----------------------------------------------------------------------------
@@ -476,7 +491,7 @@ class GradBuckets:
 # -----------------------------------------------------------------------------
 # The hybrid training step: this rank's list of actions, executed
 # -----------------------------------------------------------------------------
-def train_step(stage, optimizer, buckets, actions, x, y, m, tp_comm, pp_comm, timeline):
+def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, timeline):
     """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches.
     Returns on the last stage the replica's loss (the micro-batches' losses, each divided by M,
     summed), elsewhere 0."""
@@ -489,7 +504,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, tp_comm, pp_comm, ti
 
     def post(a):  # a receive from the previous stage (activations) or the next (gradients)
         t = torch.empty(shape, device=x.device)
-        buffer = receive_buffer(t)
+        buffer = mpi_buffer(t, send=False)
         source = s - 1 if a.op == "recv_act" else s + 1
         recvs[a] = (pp_comm.Irecv(buffer, source=source, tag=tag(a.op, a.mb)), t, buffer)
 
@@ -524,6 +539,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, tp_comm, pp_comm, ti
             sends.append((pp_comm.Isend(buffer, dest=s + 1 if forward else s - 1, tag=tag(a.op, a.mb)), buffer))
         elif a.op == "reduce":
             buckets.finish()
+        sends = [(r, b) for r, b in sends if not r.Test()]  # MPICH moves a message only inside MPI calls
     for request, _ in sends:
         request.Wait()
     with timeline.span("compute", "optimizer"):
@@ -589,7 +605,7 @@ def build_model(args):
     return model
 
 
-def build_stage(args, tp_comm, pp_comm, device, model=None):
+def build_stage(args, pp_comm, tp_comm, device, model=None):
     """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone."""
     s, pp = pp_comm.Get_rank(), pp_comm.Get_size()
     lo, hi = layer_split(args.layers, pp)[s]
@@ -625,27 +641,25 @@ def share_of(x, y, replica, replicas):
 # -----------------------------------------------------------------------------
 # The run
 # -----------------------------------------------------------------------------
-def train(args, comm, counted, device, stage, optimizer, buckets, timeline, past=()):
-    """The steps after the `past` ones (their losses, from a checkpoint). Returns the global
-    batch's losses of all steps, on every rank, and this rank's timings of the new ones."""
-    tp_comm, pp_comm, dp_comm = counted["tensor"], counted["pipeline"], counted["data"]
-    actions = one_f_one_b(pp_comm.Get_size(), args.micro_batches, pp_comm.Get_rank())
+def train(args, comm, counted, device, stage, optimizer, buckets, actions, timeline, past=()):
+    """This rank's list of `actions` (proven by the dry run), once a step, for the steps after the
+    `past` ones (their losses, from a checkpoint). Returns the global batch's losses of all steps,
+    on every rank, and this rank's timings of the new ones."""
+    pp_comm, dp_comm, tp_comm = counted["pipeline"], counted["data"], counted["tensor"]
     reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
     losses, records = [], []
     for step in range(len(past), args.steps):
-        inject_failure(comm, step, model=stage)
         start = time.perf_counter()
         x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len),
                         dp_comm.Get_rank(), dp_comm.Get_size())
         losses.append(train_step(stage, optimizer, buckets, actions, x.to(device), y.to(device),
-                                 args.micro_batches, tp_comm, pp_comm, timeline))
+                                 args.micro_batches, pp_comm, tp_comm, timeline))
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, args.dp)[0], records[-1])
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            so_far = list(past) + global_losses(comm, losses, reports, args.dp)
-            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(), "losses": so_far}
-            save_checkpoint(comm, args.save, step + 1, shard, shard_config(args))
+        checkpoint_if_due(comm, args, step, lambda: {
+            "model": stage.state_dict(), "optimizer": optimizer.state_dict(),
+            "losses": list(past) + global_losses(comm, losses, reports, args.dp)}, shard_config(args))
     return list(past) + global_losses(comm, losses, reports, args.dp), records
 
 
@@ -659,32 +673,38 @@ def global_losses(comm, losses, reports, dp):
 
 def shard_config(args):
     """What a checkpoint's shards belong to: the grid that cut them, and the model."""
-    return {"grid": {"dp": args.dp, "tp": args.tp, "pp": args.pp}, "model": "GPT", "layers": args.layers,
+    return {"grid": {"pp": args.pp, "dp": args.dp, "tp": args.tp}, "model": "GPT", "layers": args.layers,
             "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
 
 
 def main(argv=None, comm=MPI.COMM_WORLD):
-    """Parse, set up, train, check, report. Returns the exit status of this rank."""
+    """Parse, set up, prove the schedule, train, check, report. Returns the exit status of this rank."""
     try:
         args = parse_args(argv, comm.Get_size())
         check_paths(comm, args)
+        check_tags(comm, args.micro_batches)
         run = setup(comm, args)
-        # Every rank writes the lists of all ranks and proves them on paper: all reach one verdict.
-        lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.tp)[1])
+        # Every rank writes the lists of all ranks and proves them on paper, so that all reach one
+        # verdict; then each runs its own list, the one proven.
+        lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.tp)[0])
                  for r in range(comm.Get_size())]
         ideal, _ = dry_run(lists, args.dp, args.tp, args.micro_batches)
-        axes = make_grid(comm, args.dp, args.tp, args.pp)
-        counted = {axis: CountedComm(c, run.timeline) for axis, c in zip(("tensor", "pipeline", "data"), axes)}
-        stage = build_stage(args, counted["tensor"], counted["pipeline"], run.device)
+        axes = make_grid(comm, args.pp, args.dp, args.tp)
+        counted = {axis: CountedComm(c, run.timeline) for axis, c in zip(("pipeline", "data", "tensor"), axes)}
+        stage = build_stage(args, counted["pipeline"], counted["tensor"], run.device)
         optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
         buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
         past, resumed = [], None
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
                                              lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
-            past = restore(stage, optimizer, shard)
+            if shard is not None:
+                past = restore(stage, optimizer, shard)
         print_header(comm, args, run, stage, buckets, resumed)
-        losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets, run.timeline, past)
+        run.memory.reset()  # the peak of training alone: not the model's building, nor the check
+        losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets,
+                                lists[comm.Get_rank()], run.timeline, past)
+        run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
@@ -695,12 +715,13 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
 
 # =============================================================================
-# You may stop reading here: the strategy is all above. Below is the machinery that every
-# strategy file repeats in the same order and the same words: the check against single-process
-# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# You may stop reading here: the strategy is all above. Below, first this file's own machinery
+# (the check against single-process training, the report, its arguments and checkpoints), then
+# the machinery that every strategy file repeats word for word: the summary, checkpoints and
+# signals, counters, timeline and memory, device and MPI setup, arguments.
 # =============================================================================
 
-# --- Check against single-process training -----------------------------------
+# --- This file's own: the check against single-process training, the report, arguments, checkpoints
 def reference_training(args, device):
     """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear
     and F.cross_entropy, no MPI."""
@@ -728,21 +749,12 @@ def check(comm, args, device, losses, stage, counted):
     while not request.Test():
         time.sleep(POLL_S)  # the waiting ranks leave the cores to rank 0
     nn.utils.vector_to_parameters(flat, reference.parameters())
-    ref_stage = build_stage(args, counted["tensor"], counted["pipeline"], device, reference)
+    ref_stage = build_stage(args, counted["pipeline"], counted["tensor"], device, reference)
     diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), ref_stage)
     return comm.allreduce(diff, op=MPI.MAX)
 
-def max_difference(losses, state, ref_losses, ref_model):
-    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
-    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
-    ref_state = ref_model.state_dict()
-    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
-        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
-    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
-
-# --- Report: header, progress, summary, --json, --trace ----------------------
 def print_header(comm, args, run, stage, buckets, resumed):
-    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    P, D, T, M = args.pp, args.dp, args.tp, args.micro_batches
     per_rank = comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
     where = " ".join(f"{r}:{coordinates(r, D, T)}" for r in range(comm.Get_size()))
     stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
@@ -753,7 +765,7 @@ def print_header(comm, args, run, stage, buckets, resumed):
     print0(comm, *run.header,
            f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
            f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
-           f"grid: dp {D} x tp {T} x pp {P} | rank: (dp, pp, tp) {where}",
+           f"grid: pp {P} x dp {D} x tp {T} | rank: (pp, dp, tp) {where}",
            f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
            f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows",
            f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
@@ -763,44 +775,55 @@ def print_header(comm, args, run, stage, buckets, resumed):
            f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB")
 
 def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
-    """The summary, the check's verdict and --json; returns the exit status."""
-    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
-    grid, steps_run = {"dp": D, "tp": T, "pp": P}, max(1, len(records))
-    measured = per_axis(comm, counted, steps_run)
+    """The summary lines and JSON keys of this file; finish() prints them with the house's."""
+    P, D, T, M = args.pp, args.dp, args.tp, args.micro_batches
+    measured = per_axis(comm, counted, max(1, len(records)))
     formula = formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
                        comm.allgather(len(buckets.buckets)))
-    slowest = step_summary(comm, records)
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
     theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
-    pipeline = [ideal[rank_at(0, p, 0, D, T)] for p in range(P)]
+    pipeline = [ideal[rank_at(p, 0, 0, D, T)] for p in range(P)]
     slots = max(e for row in pipeline for _, _, e in row)
-    text = {"tensor": ("allreduces D x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
-            "pipeline": ("messages 2M(P - 1) x D x T", "2(P - 1) x T x 4BSh"),
-            "data": ("allreduces: one per bucket per (pp, tp) group", "D x 4W")}
-    print0(comm, "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
-           *draw_timeline(pipeline, slots, len(f"B{M - 1}") + 1),
-           f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
-           f"{math.log(VOCAB):.4f})", summary_line(slowest),
-           f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
-           f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
-           "communication per step, summed over the grid, measured | formula:",
-           *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
-             f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
-             for axis, k in (("tensor", 0), ("pipeline", 1), ("data", 0))))
-    ok = verdict(comm, diff, "losses, parameters")
-    if args.json:
-        print0(comm, json.dumps({
-            **house_keys(comm, args, run, losses, slowest, diff),
-            "comm_bytes_per_step": sum(m[2] for m in measured.values()),
-            "collectives_per_step": sum(m[0] for m in measured.values()),
-            "grid": grid, "micro_batches": M, "layer_split": layer_split(args.layers, P),
-            "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
-            "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
-            "messages_per_step": measured["pipeline"][1],
-            "formula_by_axis": {a: dict(zip(("collectives", "messages", "bytes"), v)) for a, v in formula.items()},
-            "bubble_fraction": bubble, "bubble_fraction_theory": theory,
-            "bubble_fraction_dry_run": 1 - 2 * M / slots}))
-    return 0 if ok else 1
+    text = {"pipeline": ("messages 2M(P - 1) x D x T", "2(P - 1) x T x 4BSh"),
+            "data": ("allreduces: one per bucket per (pp, tp) group", "D x 4W"),
+            "tensor": ("allreduces D x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]")}
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
+             f"{math.log(VOCAB):.4f})",
+             "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
+             *draw_timeline(pipeline, slots, len(f"B{M - 1}") + 1),
+             f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
+             f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
+             "communication per step, summed over the grid, measured | formula:",
+             *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
+               f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
+               for axis, k in (("pipeline", 1), ("data", 0), ("tensor", 0)))]
+    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+        "comm_bytes_per_step": sum(m[2] for m in measured.values()),
+        "collectives_per_step": sum(m[0] for m in measured.values()),
+        "grid": {"pp": P, "dp": D, "tp": T}, "micro_batches": M, "layer_split": layer_split(args.layers, P),
+        "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
+        "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
+        "messages_per_step": measured["pipeline"][1],
+        "formula_by_axis": {a: dict(zip(("collectives", "messages", "bytes"), v)) for a, v in formula.items()},
+        "bubble_fraction": bubble, "bubble_fraction_theory": theory, "bubble_fraction_dry_run": 1 - 2 * M / slots,
+        "overlap": overlap_counts(comm, run.timeline.step_events, M)})
+
+def overlap_counts(comm, events, m):
+    """The overlaps the lesson claims, in the step of `events` (a rank's timeline), summed over the
+    grid as [n, total]. buckets_started_in_backward: the data axis's bucket allreduces that began
+    inside a backward (all of them: each starts in the step's last backward). A pipeline send is in
+    flight from its Isend until the rank next blocks in a Wait on a send (Test, which never
+    blocks, does not end it); sends_in_flight_during_compute: the sends in whose flight a forward
+    or a backward began, that is, the rank computed instead of waiting. The schedule decides this
+    count, not the library's speed: 1F1B computes after every send but those that follow a
+    stage's last backward, (2M - 1)(P - 1) of the 2M(P - 1) sends of a pipeline."""
+    compute = [b for name, _, b, _ in events if name in {f"{op}{i}" for op in "FB" for i in range(m)}]
+    waits = sorted(b for name, _, b, _ in events if name == "Isend wait") + [math.inf]
+    flights = [(b, next(w for w in waits if w >= b)) for name, _, b, _ in events if name == "Isend"]
+    sends = [sum(any(lo <= c < hi for c in compute) for lo, hi in flights), len(flights)]
+    buckets = started_within(events, "Iallreduce", tuple(f"B{i}" for i in range(m)))
+    return {"buckets_started_in_backward": [comm.allreduce(v) for v in buckets],  # reporting: not counted
+            "sends_in_flight_during_compute": [comm.allreduce(v) for v in sends]}
 
 def per_axis(comm, counted, steps_run):
     """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
@@ -815,14 +838,14 @@ def per_axis(comm, counted, steps_run):
 def formulas(args, stage_params, stage_buckets):
     """The docstring's formulas by axis: (collectives, messages, bytes) per step over the grid.
     stage_params, stage_buckets: every rank's count of parameters and of gradient buckets."""
-    D, T, P, M = args.dp, args.tp, args.pp, args.micro_batches
+    P, D, T, M = args.pp, args.dp, args.tp, args.micro_batches
     L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
     activation, replicated = 4 * B * S * h, S * h + 6 * L * h + 2 * h
     W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
     assert sum(stage_params) == D * W  # what the ranks hold, added up
-    return {"tensor": (D * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1)),
-            "pipeline": (0, 2 * M * (P - 1) * D * T, 2 * (P - 1) * T * activation),
-            "data": (sum(stage_buckets) // D * (D > 1), 0, D * 4 * W * (D > 1))}
+    return {"pipeline": (0, 2 * M * (P - 1) * D * T, 2 * (P - 1) * T * activation),
+            "data": (sum(stage_buckets) // D * (D > 1), 0, D * 4 * W * (D > 1)),
+            "tensor": (D * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))}
 
 def draw_timeline(rows, slots, width):
     """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
@@ -834,34 +857,89 @@ def draw_timeline(rows, slots, width):
         lines.append(f"stage {s} | " + "".join(c.ljust(width) for c in cells).rstrip())
     return lines
 
+def parse_args(argv, world_size):
+    p = common_arguments("Hybrid (pipeline x data x tensor) parallelism over MPI: a small GPT on Python's "
+                         "own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    p.add_argument("--pp", type=COUNT, default=1, help="pipeline stages")
+    p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (pp x tp))")
+    p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
+                   "up to 4, that it splits into)")
+    p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
+    args = check_common(p.parse_args(argv))
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
+                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
+    if args.seq_len > len(load_text()) - 2:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
+    P, D, T = args.pp, args.dp or max(1, world_size // (args.pp * args.tp)), args.tp
+    if P * D * T != world_size or args.heads % T or args.layers < P:
+        works = [f"--pp {world_size // (d * t)} --dp {d} --tp {t}" for d in range(1, world_size + 1)
+                 for t in range(1, world_size + 1) if world_size % (d * t) == 0
+                 and args.heads % t == 0 and world_size // (d * t) <= args.layers]
+        why = (f"--pp {P} --dp {D} --tp {T} make {P * D * T} ranks, this job has {world_size}" if P * D * T != world_size
+               else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
+               else f"--pp {P} stages need at least {P} --layers, got {args.layers}")
+        raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} "
+                          f"--layers {args.layers}: {'; '.join(works) or 'none'}")
+    args.dp, share = D, args.batch_size // D if args.batch_size % D == 0 else 0
+    M = args.micro_batches = args.micro_batches or next((k for k in range(min(4, share), 0, -1) if share % k == 0), 1)
+    if args.batch_size % (D * M):
+        fits = ", ".join(str(k) for k in range(1, share + 1) if share % k == 0)
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x {M} micro-batches; "
+                          f"use {f'--micro-batches {fits}, or ' if fits else ''}a --batch-size multiple of {D * M}")
+    return args
+
+def restore(stage, optimizer, shard):
+    """Load this rank's shard (the same grid wrote it); returns the losses so far."""
+    stage.load_state_dict(shard["model"])
+    optimizer.load_state_dict(shard["optimizer"])
+    return shard["losses"]
+
+# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
+    ref_state = ref_model.state_dict()
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+
+# --- Report: progress, the summary and --json, --trace -----------------------
 def print_progress(comm, args, step, loss, record):
     print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
                  f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
-def summary_line(slowest):
-    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
-            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
-
-def verdict(comm, diff, compared):
-    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+def finish(comm, args, run, losses, records, diff, compared, lines, keys):
+    """The summary: the file's own `lines`, the split of a step (medians over the steps after the
+    first, of the slowest rank), the peak memory each rank measured, the overlap counts of the
+    last step (keys['overlap']) and the check's verdict; then --json, the house keys and the
+    file's `keys`. Returns the exit status: 1 when the check exceeds the tolerance."""
+    medians = [{k: statistics.median(r[k] for r in (mine[1:] or mine)) for k in mine[0]}
+               for mine in comm.allgather(records)]
+    slowest = max(medians, key=lambda m: m["step_s"])
+    peaks = comm.allgather(run.memory.bytes)
     ok = diff is None or diff <= TOLERANCE
-    if diff is not None:
-        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
-                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
-    return ok
-
-def house_keys(comm, args, run, losses, slowest, diff):
-    """The JSON keys every strategy file reports."""
-    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+    overlap = keys.get("overlap") or {}
+    print0(comm, *lines,
+           f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+           f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
+           f"peak memory per rank ({run.memory.what}): {' | '.join(f'{p / 1e6:.2f}' for p in peaks)} MB",
+           *(["overlap, last step (started in time / all): "
+              + ", ".join(f"{name} {n}/{total}" for name, (n, total) in overlap.items())] if overlap else []),
+           *([f"check against single-process training: max |diff| {diff:.2e} ({compared}; tolerance "
+              f"{TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}"] if diff is not None else []))
+    if args.json:
+        print0(comm, json.dumps({
+            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
             "steps": args.steps, "losses": losses, "final_loss": losses[-1],
-            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
-            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
-
-def step_summary(comm, records):
-    """Medians over steps after the first, of the slowest rank (by median step time)."""
-    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
-               for rank_records in comm.allgather(records)]
-    return max(medians, key=lambda m: m["step_s"])
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"], "comm_s": slowest["comm_s"],
+            "idle_s": slowest["idle_s"], "check_max_abs_diff": diff, "peak_memory_bytes_per_rank": peaks, **keys}))
+    return 0 if ok else 1
 
 def write_trace(comm, timeline, path):
     """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
@@ -877,16 +955,28 @@ def print0(comm, *lines, file=None):
     if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
         print(*lines, sep="\n", file=file or sys.stdout, flush=True)
 
-# --- Checkpoints: a folder appears whole or not at all ------------------------
+# --- Checkpoints: a folder appears whole or not at all; a signal stops at a step's end
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a batch system's time limit, or its warning
+stop_requested = []  # the signals this rank received
+
+def checkpoint_if_due(comm, args, step, make_shard, config):
+    """At the end of `step`: save when --save-every or the last step says so, or when any rank got
+    SIGTERM or SIGUSR1 (the ranks agree on it here, so all stop after the same step); after a
+    signal's save, end the job with status 0. make_shard() gives this rank's shard (collective)."""
+    stop = comm.allreduce(bool(stop_requested), op=MPI.LOR) and step + 1 < args.steps
+    if args.save and (stop or step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+        save_checkpoint(comm, args.save, step + 1, make_shard(), config)
+    if stop:
+        print0(comm, f"stopped by a signal after step {step + 1} of {args.steps}: " +
+               (f"checkpoint saved in {args.save}; rerun with --resume to continue" if args.save
+                else "nothing saved (no --save)"))
+        sys.exit(0)
+
 def checkpoints(root):
     """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
     names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
                    if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
     return [os.path.join(root, n) for n in names]
-
-def sha256(path):
-    with open(path, "rb") as stream:
-        return hashlib.sha256(stream.read()).hexdigest()
 
 def write_durably(path, data):
     with open(path, "wb") as stream:
@@ -906,7 +996,6 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
     comm.Barrier()
     try:
         os.makedirs(tmp, exist_ok=True)
-        inject_failure(comm, step, "save")
         if shard is not None:
             name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
             torch.save(shard, stream)
@@ -939,14 +1028,15 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
-    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
-    Any problem on any rank is a ConfigError on every rank."""
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified; (None,
+    None) when root holds none yet (a batch job's first run), which rank 0 says. Any problem on
+    any rank is a ConfigError on every rank."""
     error = manifest = shard = None
     try:
         found = checkpoints(root)
         if not found:
-            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
-                              f"start without --resume to create one")
+            print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
+            return None, None
         path = found[-1]
         with open(os.path.join(path, "manifest.json")) as stream:
             manifest = json.load(stream)
@@ -961,7 +1051,9 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         if manifest["config"] != config:
             raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
         name = shard_name(manifest)
-        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+        with open(os.path.join(path, name), "rb") as stream:
+            digest = hashlib.sha256(stream.read()).hexdigest()
+        if digest != manifest["files"][name]:
             raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
         shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
     except ConfigError as e:
@@ -973,13 +1065,7 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         raise ConfigError(errors[0])
     return manifest, shard
 
-def restore(stage, optimizer, shard):
-    """Load this rank's shard (the same grid wrote it); returns the losses so far."""
-    stage.load_state_dict(shard["model"])
-    optimizer.load_state_dict(shard["optimizer"])
-    return shard["losses"]
-
-# --- Counters and timeline: measured around the strategy's own MPI calls -----
+# --- Counters, timeline and memory: measured around the strategy's own work ---
 class Timeline:
     """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
     own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
@@ -989,6 +1075,7 @@ class Timeline:
         self.cuda = device.type == "cuda"
         self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
         self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+        self.step_events = []  # the events of the last recorded step
 
     def _mark(self):
         if not self.cuda:
@@ -1016,6 +1103,7 @@ class Timeline:
         if self.cuda:
             torch.cuda.synchronize()  # once a step: every event of the step has happened
         record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+        first = len(self.events)
 
         def own_time(name, cat, start_mark, end_mark, children):
             begin, end = self._seconds(start_mark), self._seconds(end_mark)
@@ -1025,18 +1113,27 @@ class Timeline:
 
         for span in self.closed:
             own_time(*span)
-        self.closed = []
+        self.closed, self.step_events = [], self.events[first:]
         record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
         return record
 
+def started_within(events, exchange, compute):
+    """[n, total]: of the spans named `exchange` (a name or a tuple of names), how many began
+    while a span named `compute` (likewise) was running: started in time to hide behind it."""
+    names = lambda x: (x,) if isinstance(x, str) else tuple(x)
+    running = [(begin, end) for name, _, begin, end in events if name in names(compute)]
+    starts = [begin for name, _, begin, _ in events if name in names(exchange)]
+    return [sum(any(lo <= s < hi for lo, hi in running) for s in starts), len(starts)]
+
 class CountedComm:
     """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
-    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
-    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
-    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+    way the buffer methods are counted (calls, bytes of the first buffer, by name) and timed as
+    'comm' spans. Their requests' Wait polls with short sleeps (MPICH's Wait spins on the core of
+    a rank that computes): a point-to-point wait is the peer's lateness (idle), a collective's comm."""
 
     COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
-               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
+               "Allgather", "Iallgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+               "Ireduce_scatter_block", "Alltoall", "Alltoallv", "Ialltoallv"}
 
     def __init__(self, comm, timeline):
         self.comm, self.timeline = comm, timeline
@@ -1074,31 +1171,95 @@ class CountedRequest:
             while not self.request.Test():
                 time.sleep(POLL_S)
 
+class PeakMemory:
+    """The most memory this rank held while training, less what it held before the model was
+    built. CUDA: the allocator's peak. CPU: the peak resident set (VmHWM) less its file-backed
+    pages (torch's code, loaded as kernels are first used), which means something because
+    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process."""
+
+    def __init__(self, device):  # before the model is built
+        __import__("torch._dynamo")  # torch's first optimizer imports it: 60+ MB of Python, not training
+        self.cuda = device.type == "cuda"
+        self.what = "CUDA allocator's peak" if self.cuda else "peak resident set less code, less the process before the model"
+        self.baseline = 0 if self.cuda else proc_status("VmRSS") - proc_status("RssFile")
+
+    def reset(self):
+        """From here on: the peak of training, not that of building the model."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # Linux: the peak resident set starts again from the current one
+
+    def stop(self):
+        """The peak until now: the check and the report that follow training do not count."""
+        self.bytes = (torch.cuda.max_memory_allocated() if self.cuda else
+                      max(0, proc_status("VmHWM") - proc_status("RssFile") - self.baseline))
+
+def proc_status(key):
+    """A size from /proc/self/status in bytes (Linux; 0 elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) * 1024 for line in status if line.startswith(key + ":")), 0)
+    return 0
+
 # --- Device and MPI setup -----------------------------------------------------
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+def launcher_local_rank():
+    """This rank's index on its node, as the launcher tells it (Open MPI, Slurm, MPICH, MVAPICH)."""
+    return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+
+def start_mpi():
+    """Before MPI starts: give freed memory back to the system at once (glibc otherwise keeps
+    freed blocks of up to 32 MB, and the resident set would never fall), and choose this rank's
+    GPU, since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI
+    with threads: on a GPU, autograd calls MPI from a thread of its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
+    local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
+    if local is not None and not cpu and torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not MPI.Is_initialized():  # the level mpi4py.rc.thread_level asks for (MPI4PY_RC_THREAD_LEVEL)
+        MPI.Init_thread(getattr(MPI, "THREAD_" + mpi4py.rc.thread_level.upper()))
+
 def setup(comm, args):
-    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
+    signal handlers, and the header's facts."""
     global CUDA_AWARE
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
+    launcher = launcher_local_rank()
     gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    notes = [f"note: the launcher says local rank {launcher}, the node's ranks say {local_rank}"] if launcher not in (None, local_rank) else []
     if args.device == "cuda" or (args.device == "auto" and gpus):
-        device = torch.device("cuda", local_rank % gpus)
+        device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
         CUDA_AWARE = mpi_cuda_aware(comm)
-        if args.check:  # float32 against float32: no TF32 in the run or in the reference
-            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
+            try:
+                torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+            except AttributeError:  # torch before 2.9
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
         transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
-        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
+        uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
+        if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
+            notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
     else:
         device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
         torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
-        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+        if local_size > cores:
+            notes.append(f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns")
+    node.Free()
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda number, frame: stop_requested.append(number))
     comm.Barrier()  # the timeline's zero, about the same moment on every rank
     header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
-              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
-    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
+              f"CUDA buffers: {transport}"] + notes
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
     """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
@@ -1134,29 +1295,13 @@ def check_thread_level(provided):
     if provided < MPI.THREAD_SERIALIZED:
         raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
                           f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
-                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
+                          f"keep mpi4py.rc.thread_level (MPI4PY_RC_THREAD_LEVEL) at its default, 'multiple'")
 
 def mpi_library():
     """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
     text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
     return text.strip().splitlines()[0].strip()
 
-def inject_failure(comm, step, during="step", model=None):
-    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
-    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
-    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
-    spec = os.environ.get("FAIL_AT", "")
-    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
-    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
-        return
-    if how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if how == "oserror":
-        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
-    if how != "nudge":
-        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
-    with torch.no_grad():
-        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
 
 # --- Arguments, and the paths a run will write, checked before anything is built
 class ConfigError(Exception):
@@ -1181,13 +1326,11 @@ class Parser(argparse.ArgumentParser):
 def checked(kind, ok, must):
     """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        value = kind(text)  # a ValueError is argparse's own "invalid int value: 'x'"
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
         return value
+    parse.__name__ = kind.__name__
     return parse
 
 COUNT = checked(int, lambda v: v > 0, "a positive integer")
@@ -1220,42 +1363,6 @@ def check_common(args):
         raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
     return args
 
-def parse_args(argv, world_size):
-    p = common_arguments("Hybrid (data x tensor x pipeline) parallelism over MPI: a small GPT on Python's "
-                         "own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
-    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
-    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
-    p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (tp x pp))")
-    p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--pp", type=COUNT, default=1, help="pipeline stages")
-    p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
-                   "up to 4, that it splits into)")
-    p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
-    args = check_common(p.parse_args(argv))
-    if args.hidden % args.heads:
-        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
-                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
-    if args.seq_len > len(load_text()) - 2:
-        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
-    D, T, P = args.dp or max(1, world_size // (args.tp * args.pp)), args.tp, args.pp
-    if D * T * P != world_size or args.heads % T or args.layers < P:
-        works = [f"--dp {d} --tp {t} --pp {world_size // (d * t)}" for d in range(1, world_size + 1)
-                 for t in range(1, world_size + 1) if world_size % (d * t) == 0
-                 and args.heads % t == 0 and world_size // (d * t) <= args.layers]
-        why = (f"--dp {D} --tp {T} --pp {P} make {D * T * P} ranks, this job has {world_size}" if D * T * P != world_size
-               else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
-               else f"--pp {P} stages need at least {P} --layers, got {args.layers}")
-        raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} "
-                          f"--layers {args.layers}: {'; '.join(works) or 'none'}")
-    args.dp, share = D, args.batch_size // D if args.batch_size % D == 0 else 0
-    M = args.micro_batches = args.micro_batches or next((k for k in range(min(4, share), 0, -1) if share % k == 0), 1)
-    if args.batch_size % (D * M):
-        fits = ", ".join(str(k) for k in range(1, share + 1) if share % k == 0)
-        raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x {M} micro-batches; "
-                          f"use {f'--micro-batches {fits}, or ' if fits else ''}a --batch-size multiple of {D * M}")
-    return args
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
@@ -1290,5 +1397,6 @@ def abort_on_exception(kind, value, tb):
     MPI.COMM_WORLD.Abort(1)
 
 if __name__ == "__main__":
+    start_mpi()
     sys.excepthook = abort_on_exception
     sys.exit(main())

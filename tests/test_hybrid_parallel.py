@@ -1,5 +1,6 @@
-"""hybrid_parallel.py: the grid, the schedule on paper for grids up to 4x4x4, training on every grid of
-1, 2 and 4 ranks under MPI, and the script end to end at 2x2x2 on 8 ranks."""
+"""hybrid_parallel.py: the grid, the schedule on paper for grids up to 4 x 4 x 4, training on every grid
+of 1, 2 and 4 ranks under MPI with the overlaps it claims, and the script end to end at 2 x 2 x 2 on
+8 ranks with every buffer staged through host memory."""
 import itertools
 import json
 import os
@@ -18,12 +19,12 @@ TINY = ["--layers", "5", "--hidden", "16", "--heads", "4", "--seq-len", "8", "--
 
 
 def grids(n):
-    """Every (dp, tp, pp) with dp x tp x pp = n."""
-    return [(d, t, n // (d * t)) for d in range(1, n + 1) for t in range(1, n + 1) if n % (d * t) == 0]
+    """Every (pp, dp, tp) with pp x dp x tp = n."""
+    return [(n // (d * t), d, t) for d in range(1, n + 1) for t in range(1, n + 1) if n % (d * t) == 0]
 
 
-def lists(dp, tp, pp, m):
-    return [hp.one_f_one_b(pp, m, hp.coordinates(r, dp, tp)[1]) for r in range(dp * tp * pp)]
+def lists(pp, dp, tp, m):
+    return [hp.one_f_one_b(pp, m, hp.coordinates(r, dp, tp)[0]) for r in range(pp * dp * tp)]
 
 
 # -----------------------------------------------------------------------------
@@ -33,41 +34,57 @@ def test_grids_of_four_are_the_six_factorizations():
     assert sorted(grids(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
 
 
-@pytest.mark.parametrize("dp,tp,pp", grids(8) + grids(12))
-def test_megatron_order_tp_consecutive_then_dp_then_pp(dp, tp, pp):
+@pytest.mark.parametrize("pp,dp,tp", grids(8) + grids(12))
+def test_megatron_order_tp_consecutive_then_dp_then_pp(pp, dp, tp):
     seen = {}
-    for r in range(dp * tp * pp):
-        d, p, t = hp.coordinates(r, dp, tp)
-        assert hp.rank_at(d, p, t, dp, tp) == r and (d, p, t) not in seen
-        seen[(d, p, t)] = r
+    for r in range(pp * dp * tp):
+        p, d, t = hp.coordinates(r, dp, tp)
+        assert hp.rank_at(p, d, t, dp, tp) == r and (p, d, t) not in seen
+        seen[(p, d, t)] = r
         if t > 0:
-            assert seen[(d, p, t - 1)] == r - 1  # tensor-parallel ranks are neighbours
-    assert len(seen) == dp * tp * pp
+            assert seen[(p, d, t - 1)] == r - 1  # tensor-parallel ranks are neighbours
+    assert len(seen) == pp * dp * tp
 
 
-@pytest.mark.parametrize("dp,tp,pp", list(itertools.product(range(1, 5), repeat=3)))
-def test_dry_run_proves_1f1b_on_every_grid_up_to_4x4x4(dp, tp, pp):
+@pytest.mark.parametrize("pp,dp,tp", list(itertools.product(range(1, 5), repeat=3)))
+def test_dry_run_proves_1f1b_on_every_grid_up_to_4x4x4(pp, dp, tp):
     for m in (1, 2, 3, 5, 8):
-        spans, peak = hp.dry_run(lists(dp, tp, pp, m), dp, tp, m)
+        spans, peak = hp.dry_run(lists(pp, dp, tp, m), dp, tp, m)
         slots = max(e for row in spans for _, _, e in row)
         assert 1 - 2 * m / slots == pytest.approx((pp - 1) / (m + pp - 1))
-        for r in range(dp * tp * pp):
-            d, p, t = hp.coordinates(r, dp, tp)
+        for r in range(pp * dp * tp):
+            p, d, t = hp.coordinates(r, dp, tp)
             assert peak[r] == min(m, pp - p)  # 1F1B's memory bound
-            assert spans[r] == spans[hp.rank_at(0, p, 0, dp, tp)]  # a stage's ranks move together
+            assert spans[r] == spans[hp.rank_at(p, 0, 0, dp, tp)]  # a stage's ranks move together
             when = {label: s for label, s, _ in spans[r]}
             if p > 0:  # forward goes down the stages, backward comes back up
-                up = dict((label, e) for label, _, e in spans[hp.rank_at(d, p - 1, t, dp, tp)])
+                up = dict((label, e) for label, _, e in spans[hp.rank_at(p - 1, d, t, dp, tp)])
                 assert all(when[f"F{i}"] >= up[f"F{i}"] for i in range(m))
+
+
+def test_the_largest_tag_is_checked_against_what_the_library_allows():
+    """MPI promises tags up to 32767 only: M = 16384 micro-batches fit, one more is refused in one
+    line that names the most that fit. The bound checked is the largest tag any list sends."""
+    class Promised:  # a communicator whose library gives no more than the standard promises
+        def Get_attr(self, key):
+            return 32767 if key == hp.MPI.TAG_UB else None
+
+    for m in (1, 2, 5):
+        sent = [hp.tag(a.op, a.mb) for actions in lists(3, 1, 1, m) for a in actions if a.op.startswith("send_")]
+        assert max(sent) == hp.tag("send_grad", m - 1) == 2 * m - 1
+    hp.check_tags(Promised(), 16384)
+    with pytest.raises(hp.ConfigError, match=r"--micro-batches 16385 needs message tags up to 32769, .* "
+                                             r"MPI_TAG_UB is 32767; use --micro-batches 16384 or fewer"):
+        hp.check_tags(Promised(), 16385)
 
 
 def broken(kind):
     """The 2 x 2 x 2 grid's lists with one deliberate fault."""
-    good = lists(2, 2, 2, 2)
+    good = lists(2, 2, 2, 2)  # pp, dp, tp, m
     if kind == "tensor-parallel ranks disagree":  # rank 1 runs its forwards in another order
         i, j = good[1].index(hp.Action("forward", 0)), good[1].index(hp.Action("forward", 1))
         good[1][i], good[1][j] = good[1][j], good[1][i]
-    elif kind == "one replica skips the gradient allreduce":
+    elif kind == "one replica skips the gradient allreduce":  # rank 6 = (1, 1, 0)
         good[6] = good[6][:-1]
     elif kind == "send dropped":
         good[0].remove(hp.Action("send_act", 1))
@@ -88,9 +105,9 @@ def test_dry_run_rejects_a_broken_grid(kind):
 
 
 @pytest.mark.parametrize("argv,world_size,words", [
-    (["--dp", "3", "--tp", "2"], 4, ["make 6 ranks, this job has 4", "--dp 2 --tp 2 --pp 1"]),
-    (["--tp", "3"], 6, ["--tp 3 does not divide --heads 4", "--dp 3 --tp 2 --pp 1"]),
-    (["--pp", "8", "--layers", "4"], 8, ["--pp 8 stages need at least 8 --layers", "--dp 2 --tp 2 --pp 2"]),
+    (["--dp", "3", "--tp", "2"], 4, ["--pp 1 --dp 3 --tp 2 make 6 ranks, this job has 4", "--pp 1 --dp 2 --tp 2"]),
+    (["--tp", "3"], 6, ["--tp 3 does not divide --heads 4", "--pp 1 --dp 3 --tp 2"]),
+    (["--pp", "8", "--layers", "4"], 8, ["--pp 8 stages need at least 8 --layers", "--pp 2 --dp 2 --tp 2"]),
     (["--batch-size", "6", "--dp", "2", "--micro-batches", "2"], 2, ["--batch-size 6", "--micro-batches 1, 3,",
                                                                       "multiple of 4"]),
     (["--tp", "0"], 1, ["--tp must be a positive integer"]),
@@ -114,62 +131,137 @@ def test_dp_defaults_to_what_the_world_leaves():
 # -----------------------------------------------------------------------------
 # Training under MPI, on sub-communicators
 # -----------------------------------------------------------------------------
-def train_on(comm, dp, tp, pp, extra=()):
+class Watched:
+    """An Isend's request that counts the Tests the step calls on it (MPICH moves a message only
+    inside MPI calls, so the step must Test its sends between actions)."""
+
+    def __init__(self, request):
+        self.request, self.tests = request, 0
+
+    def Test(self):
+        self.tests += 1
+        return self.request.Test()
+
+    def Wait(self):
+        self.request.Wait()
+
+
+def watch_sends(pipeline, wait_at_once=False):
+    """Every Isend on `pipeline` returns a Watched request, listed in the list returned. wait_at_once:
+    the overlap removed, as a planted regression: each send is waited for as soon as it starts."""
+    isend, requests = pipeline.Isend, []
+
+    def watched(*args, **kwargs):
+        requests.append(Watched(isend(*args, **kwargs)))
+        if wait_at_once:
+            requests[-1].Wait()
+        return requests[-1]
+    pipeline.Isend = watched
+    return requests
+
+
+def start_buckets_after_backward(buckets):
+    """The overlap removed, as a planted regression: no bucket starts its allreduce until the step's
+    backwards are all done; then every bucket does, and finish() waits as before."""
+    start, finish = buckets.start, buckets.finish
+
+    def late_finish():
+        start()
+        for p in buckets.bucket_of:
+            buckets._grad_ready(p)
+        finish()
+    buckets.start, buckets.finish = (lambda: None), late_finish
+
+
+def train_on(comm, pp, dp, tp, extra=(), remove_overlap=False):
     """The pieces main() uses, without the report: (losses, max |diff| from the check, measured
-    and formula counts per axis, the communicators' members as world ranks)."""
+    and formula counts per axis, the communicators' members as world ranks, the overlap counts of
+    the last step, the Tests each send got, every rank's count of buckets)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
-    args = hp.parse_args(TINY + ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp), *extra], comm.Get_size())
+    args = hp.parse_args(TINY + ["--pp", str(pp), "--dp", str(dp), "--tp", str(tp), *extra], comm.Get_size())
+    lists = [hp.one_f_one_b(pp, args.micro_batches, hp.coordinates(r, dp, tp)[0]) for r in range(comm.Get_size())]
+    hp.dry_run(lists, dp, tp, args.micro_batches)
     timeline = hp.Timeline(CPU)
     counted = {axis: hp.CountedComm(c, timeline)
-               for axis, c in zip(("tensor", "pipeline", "data"), hp.make_grid(comm, dp, tp, pp))}
-    stage = hp.build_stage(args, counted["tensor"], counted["pipeline"], CPU)
+               for axis, c in zip(("pipeline", "data", "tensor"), hp.make_grid(comm, pp, dp, tp))}
+    stage = hp.build_stage(args, counted["pipeline"], counted["tensor"], CPU)
     optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
     buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
-    losses, _ = hp.train(args, comm, counted, CPU, stage, optimizer, buckets, timeline)
+    sends = watch_sends(counted["pipeline"], wait_at_once=remove_overlap)
+    if remove_overlap:
+        start_buckets_after_backward(buckets)
+    losses, _ = hp.train(args, comm, counted, CPU, stage, optimizer, buckets, lists[comm.Get_rank()], timeline)
+    overlap = hp.overlap_counts(comm, timeline.step_events, args.micro_batches)
     measured = hp.per_axis(comm, counted, args.steps)
     formula = hp.formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
                           comm.allgather(len(buckets.buckets)))
     members = [c.comm.allgather(world().Get_rank()) for c in counted.values()]
     diff = hp.check(comm, args, CPU, losses, stage, counted)
-    return losses, diff, measured, formula, members
+    return losses, diff, measured, formula, members, overlap, [r.tests for r in sends], \
+        comm.allgather(len(buckets.buckets))
 
 
-def assert_trains_like_one_process(comm, dp, tp, pp, extra=()):
-    losses, diff, measured, formula, members = train_on(comm, dp, tp, pp, extra)
-    assert max_everywhere(diff, comm) <= hp.TOLERANCE, (dp, tp, pp)
+def promised_overlap(pp, dp, tp, m, buckets):
+    """What the lesson promises: every bucket's allreduce starts in the last backward; 1F1B computes
+    after every send but those that follow a stage's last backward: (2M - 1)(P - 1) of 2M(P - 1)
+    sends per pipeline, D x T pipelines."""
+    return {"buckets_started_in_backward": [sum(buckets) * (dp > 1)] * 2,
+            "sends_in_flight_during_compute": [(2 * m - 1) * (pp - 1) * dp * tp, 2 * m * (pp - 1) * dp * tp]}
+
+
+def assert_trains_like_one_process(comm, pp, dp, tp, extra=()):
+    losses, diff, measured, formula, members, overlap, tests, buckets = train_on(comm, pp, dp, tp, extra)
+    assert max_everywhere(diff, comm) <= hp.TOLERANCE, (pp, dp, tp)
     assert agree(losses[-1] < losses[0], comm)
     exact = all(measured[a][0] == formula[a][0] and measured[a][1] == formula[a][1]
                 and measured[a][2] == formula[a][2] for a in measured)
     assert agree(exact, comm), (measured, formula)
     base = world().Get_rank() - comm.Get_rank()
-    d, p, t = hp.coordinates(comm.Get_rank(), dp, tp)
-    expect = [[base + hp.rank_at(d, p, u, dp, tp) for u in range(tp)],
-              [base + hp.rank_at(d, q, t, dp, tp) for q in range(pp)],
-              [base + hp.rank_at(e, p, t, dp, tp) for e in range(dp)]]
+    p, d, t = hp.coordinates(comm.Get_rank(), dp, tp)
+    expect = [[base + hp.rank_at(q, d, t, dp, tp) for q in range(pp)],
+              [base + hp.rank_at(p, e, t, dp, tp) for e in range(dp)],
+              [base + hp.rank_at(p, d, u, dp, tp) for u in range(tp)]]
     assert agree(members == expect, comm)  # each axis's communicator holds the right ranks, in order
+    assert agree(overlap == promised_overlap(pp, dp, tp, 2, buckets), comm), overlap
+    assert agree(all(n > 0 for n in tests), comm), tests  # each send Tested during its step
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("dp,tp,pp", grids(4))
-def test_every_grid_of_four_trains_like_one_process(dp, tp, pp):
+@pytest.mark.parametrize("pp,dp,tp", grids(4))
+def test_every_grid_of_four_trains_like_one_process(pp, dp, tp):
     with sub_comm(4) as comm:
         if comm is not None:
-            assert_trains_like_one_process(comm, dp, tp, pp)
+            assert_trains_like_one_process(comm, pp, dp, tp)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("dp,tp,pp", grids(1) + grids(2))
-def test_every_grid_of_one_and_two_trains_like_one_process(dp, tp, pp):
-    with sub_comm(dp * tp * pp) as comm:
+@pytest.mark.parametrize("pp,dp,tp", grids(1) + grids(2))
+def test_every_grid_of_one_and_two_trains_like_one_process(pp, dp, tp):
+    with sub_comm(pp * dp * tp) as comm:
         if comm is not None:
-            assert_trains_like_one_process(comm, dp, tp, pp)
+            assert_trains_like_one_process(comm, pp, dp, tp)
 
 
 @pytest.mark.mpi
 def test_small_buckets_give_one_allreduce_per_bucket():
     with sub_comm(4) as comm:
-        if comm is not None:  # 2 KB buckets: several per rank, each one allreduce
-            assert_trains_like_one_process(comm, 2, 1, 2, ["--bucket-mb", str(2 / 1024)])
+        if comm is not None:  # 2 KB buckets: several per rank, each one allreduce, each started in backward
+            assert_trains_like_one_process(comm, 2, 2, 1, ["--bucket-mb", str(2 / 1024)])
+
+
+@pytest.mark.mpi
+def test_the_overlap_counts_fall_when_the_overlap_is_removed():
+    """The planted regression of watch_sends and start_buckets_after_backward: the same losses, but
+    no bucket starts in backward and no send stays in flight while the rank computes."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            _, diff, *_, overlap, _, buckets = train_on(comm, 2, 2, 1, ["--bucket-mb", str(2 / 1024)],
+                                                        remove_overlap=True)
+            assert max_everywhere(diff, comm) <= hp.TOLERANCE
+            promised = promised_overlap(2, 2, 1, 2, buckets)
+            assert promised["buckets_started_in_backward"][0] >= 8 and promised["sends_in_flight_during_compute"][0] == 6
+            assert agree(overlap == {"buckets_started_in_backward": [0, sum(buckets)],
+                                     "sends_in_flight_during_compute": [0, 8]}, comm), overlap
 
 
 # -----------------------------------------------------------------------------
@@ -180,26 +272,30 @@ E2E = ["--layers", "3", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--b
 
 
 @pytest.mark.e2e
-def test_2x2x2_on_eight_ranks_passes_its_check_and_counts_match_the_formulas(tmp_path):
-    out = launch("hybrid_parallel.py", 8, *E2E, "--dp", 2, "--tp", 2, "--pp", 2, "--steps", 3, "--json",
-                 "--trace", tmp_path / "trace.json", timeout=400)
+def test_2x2x2_on_eight_ranks_staged_through_host_copies_passes_its_check_and_counts_match(tmp_path):
+    """STAGE_ALL=1 (tests/inject.py): every buffer handed to MPI is a host copy, as on a GPU whose MPI
+    cannot read its memory, so that the check proves every copy back on all three axes."""
+    out = launch("hybrid_parallel.py", 8, *E2E, "--pp", 2, "--dp", 2, "--tp", 2, "--steps", 3, "--json",
+                 "--trace", tmp_path / "trace.json", timeout=400, env=clean_env(STAGE_ALL=1))
     result = last_json(out)
-    assert result["grid"] == {"dp": 2, "tp": 2, "pp": 2} and result["world_size"] == 8
+    assert result["grid"] == {"pp": 2, "dp": 2, "tp": 2} and result["world_size"] == 8
     assert result["check_max_abs_diff"] <= hp.TOLERANCE and "-> PASS" in out.stdout
     formula = result["formula_by_axis"]
-    for axis in ("tensor", "pipeline", "data"):
+    for axis in ("pipeline", "data", "tensor"):
         assert result["comm_bytes_per_step_by_axis"][axis] == formula[axis]["bytes"] > 0
         assert result["collectives_per_step_by_axis"][axis] == formula[axis]["collectives"]
     assert result["collectives_per_step_by_axis"]["tensor"] == 2 * 2 * (4 * 3 + 5)  # D x M x (4L + 5)
     assert result["messages_per_step"] == 2 * 2 * 1 * 2 * 2  # 2M(P-1) x D x T
     assert result["bubble_fraction_theory"] == pytest.approx(1 / 3)
-    assert "(dp, pp, tp) 0:(0, 0, 0) 1:(0, 0, 1) 2:(1, 0, 0) 3:(1, 0, 1) 4:(0, 1, 0)" in out.stdout
+    assert result["overlap"] == promised_overlap(2, 2, 2, 2, [1] * 8)  # one 25 MB bucket a rank
+    assert len(result["peak_memory_bytes_per_rank"]) == 8
+    assert "(pp, dp, tp) 0:(0, 0, 0) 1:(0, 0, 1) 2:(0, 1, 0) 3:(0, 1, 1) 4:(1, 0, 0)" in out.stdout
     assert (tmp_path / "trace.json").exists()
 
 
 @pytest.mark.e2e
 def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
-    grid = ["--dp", 1, "--tp", 2, "--pp", 2]
+    grid = ["--pp", 2, "--dp", 1, "--tp", 2]
     run = [*E2E, "--steps", 4, "--save-every", 2, "--save", tmp_path, "--no-check", "--json"]
     whole = last_json(launch("hybrid_parallel.py", 4, *run, *grid))
     final = {f.name: torch.load(f, weights_only=True) for f in sorted((tmp_path / "step-000004").glob("*.pt"))}
@@ -214,15 +310,16 @@ def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
         moment = [s["momentum_buffer"] for s in final[name]["optimizer"]["state"].values()]
         assert all(torch.equal(a, s["momentum_buffer"]) for a, s in
                    zip(moment, again[name]["optimizer"]["state"].values()))
-    other = launch("hybrid_parallel.py", 4, *run, "--steps", 6, "--dp", 2, "--tp", 1, "--pp", 2, "--resume",
+    other = launch("hybrid_parallel.py", 4, *run, "--steps", 6, "--pp", 2, "--dp", 2, "--tp", 1, "--resume",
                    timeout=120)
-    assert_refused(other, "'grid': {'dp': 1, 'tp': 2, 'pp': 2}")
+    assert_refused(other, "'grid': {'pp': 2, 'dp': 1, 'tp': 2}")
 
 
 @pytest.mark.e2e
 def test_negative_control_a_nudged_weight_fails_the_check():
-    """The flags of the in-process 1x1x2 run, which passes, with one weight of the last stage moved
-    by 10 x the tolerance at step 1: the check must fail."""
-    out = launch("hybrid_parallel.py", 2, *TINY, "--pp", 2, "--json", env=clean_env(FAIL_AT="1:1:nudge"))
+    """The flags of the in-process run at --pp 2, which passes, with the first parameter of each
+    rank's stage moved by 10 x the tolerance before the last of its 3 steps (FAIL_AT=*:2:nudge,
+    tests/inject.py): the check must fail."""
+    out = launch("hybrid_parallel.py", 2, *TINY, "--pp", 2, "--json", env=clean_env(FAIL_AT="*:2:nudge"))
     assert out.returncode == 1 and "-> FAIL" in out.stdout, out.stdout + out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["check_max_abs_diff"] > hp.TOLERANCE
