@@ -14,7 +14,7 @@ from harness import ROOT, agree, sub_comm
 
 CPU = torch.device("cpu")
 SCRIPTS = ["data_parallel.py", "tensor_parallel.py", "pipeline_parallel.py", "model_parallel.py",
-           "sharded_data_parallel.py", "hybrid_parallel.py", "context_parallel.py"]
+           "sharded_data_parallel.py", "hybrid_parallel.py", "context_parallel.py", "expert_parallel.py"]
 PRESENT = [s for s in SCRIPTS if (ROOT / s).exists()]
 DIVIDER = "# " + "=" * 77
 SHARED_MARK = "# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---"

@@ -1,0 +1,1169 @@
+r"""Expert parallelism over MPI: a mixture of experts whose experts are spread over the ranks.
+
+What is split: the experts. The MLP of every block is a mixture of E expert MLPs (--experts), and
+a router sends each token to k of them (--top-k 1 or 2), so the parameters grow with E while a
+token's compute stays that of k MLPs (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch,
+Fedus et al. 2021). Every rank is a data-parallel rank with its own B/N sequences of each batch;
+--ep P groups P consecutive ranks that share the experts out, E/P each, and the N/P groups are
+replicas of one another. Attention, embeddings and routers are whole on every rank.
+
+  N = 4 ranks, --ep 2, E = 4:     group 0                     group 1
+                            rank 0       rank 1         rank 2       rank 3
+  tokens                    x0 (B/N)     x1             x2           x3
+  experts held              E0 E1        E2 E3          E0 E1        E2 E3
+
+  one MoE layer, on every rank of a group:
+    router (float32), top-k  ->  the (token, choice) pairs sorted by expert
+    Alltoall    the counts: how many rows go to each expert of each rank of the group
+    Alltoallv   each row to the rank that holds its expert                   (dispatch)
+    each local expert runs on its rows, from every rank of the group, all at once
+    Alltoallv   the outputs back, the counts swapped                         (combine)
+    y = g_1 E_1(x) + g_2 E_2(x), added choice by choice in that order
+  backward: the combine's exchange reversed, then the dispatch's (a row's gradient goes back to
+    the rank the row came from); an expert's weight gradients stay with the expert.
+  after backward: dense gradients:  Allreduce over all N ranks, / N
+                  expert gradients: Allreduce over the N/P ranks holding the same expert, / N
+
+Why / N and not / (N/P): every rank's loss is the mean over its own tokens and the step's loss is
+the mean of the N ranks' losses. With N = 4 and P = 2, expert E0 lives on ranks 0 and 2: rank 0's
+copy receives the gradients of the tokens of ranks 0 and 1, rank 2's those of ranks 2 and 3. Their
+sum holds the terms of all 4 losses, and the gradient of their mean is that sum / 4. Dividing by the
+2 copies steps every expert with twice its gradient (P times, in general): a learning rate P times
+too large for the experts alone, and no error anywhere.
+
+The router: softmax in float32 (whatever the model's precision), the top k by a stable sort (the
+lowest expert index wins a tie, on every rank alike), the gates the chosen probabilities. A choice
+closer than rounding can flip between one process and N: the run prints the smallest gap between
+the k-th and the (k+1)-th probability it met. Load balance (Switch): aux = alpha E sum_i f_i P_i,
+f_i the share of the (token, choice) pairs that chose expert i, P_i the mean router probability of
+expert i. f is counted over all N ranks' tokens (one Allreduce of E counts per layer): a mean of
+the ranks' products f_i P_i is not the product of the means. P needs no exchange: it is a mean over
+tokens, and the gradient allreduce takes the mean over the ranks. Every N and P train one loss.
+
+Capacity: dropless by default (Alltoallv carries any number of rows). --capacity-factor C lets an
+expert take at most ceil(C k n / E) pairs from each rank's n tokens, the first in token order; the
+others are dropped (the residual carries the token on) and counted.
+
+Communication per step, L blocks, n = (B/N) T tokens per rank, hidden h, float32, on average per rank:
+  Alltoallv: 4 per block (dispatch and combine, both again reversed in backward), 4 L k n h x 4
+             bytes without drops (a rank's own share depends on the routing; 1/P of it stays home)
+  Alltoall of the counts and Allreduce of the router's counts: L x E x 8 bytes each
+  Allreduce of the dense gradients (D parameters, all but the experts): 4 D bytes, over N ranks
+  Allreduce of the expert gradients (X parameters an expert): 4 (E/P) L X bytes, over N/P ranks
+Memory: each rank holds (E/P) L X expert parameters and the D dense ones.
+
+When to choose it: the parameters are mostly experts, too many to replicate on every device, and
+the ranks of a group have all-to-all bandwidth (NVLink within a node; GShard and DeepSeek place
+expert groups there): every MoE layer waits for two exchanges forward and two backward, each
+touching every rank of the group. With experts that fit everywhere, --ep 1 is plain data
+parallelism and exchanges no tokens.
+
+The text: the standard library's argparse.py, textwrap.py and shlex.py, bytes >= 128 as '?'.
+
+Run:  mpirun -np 4 python expert_parallel.py            (add --help for the flags)
+"""
+import argparse
+import collections
+import contextlib
+import ctypes
+import errno
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+import traceback
+import types
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import mpi4py
+
+mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
+mpi4py.rc.finalize = True  # and ends at exit: mpirun kills the ranks still running when one exits unfinalized
+from mpi4py import MPI  # noqa: E402
+
+STRATEGY = "expert_parallel"
+TOLERANCE = 2e-5  # measured differences: see the tests
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
+VOCAB = 128  # the ASCII codes
+SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
+
+
+# -----------------------------------------------------------------------------
+# The strategy: the router, the exchange of tokens (dispatch and combine), the gradients' sums
+# -----------------------------------------------------------------------------
+def route(tokens, router, top_k):
+    """The router in float32: every expert's probability for each token, the top_k experts of each
+    token by a stable sort (the lowest index wins a tie), their probabilities as the gates, and the
+    smallest gap between a token's k-th and (k+1)-th probability."""
+    probs = F.linear(tokens.float(), router.weight.float()).softmax(dim=-1)
+    ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+    return probs, order[:, :top_k], ranked[:, :top_k], (ranked[:, top_k - 1] - ranked[:, top_k]).min()
+
+
+def within_capacity(choice, num_experts, capacity, slices=1):
+    """Which (token, choice) pairs their expert takes: at most `capacity` from each of `slices`
+    equal runs of tokens (each rank's own), the first in token order; all of them if capacity is None."""
+    if capacity is None:
+        return torch.ones_like(choice, dtype=torch.bool)
+    pairs = choice.reshape(slices, -1)
+    before = F.one_hot(pairs, num_experts).cumsum(1).gather(2, pairs.unsqueeze(2)).squeeze(2) - 1
+    return (before < capacity).view_as(choice)  # before: earlier pairs of the run for that expert
+
+
+def load_balancing_loss(probs, choice, num_experts, coef, comm):
+    """Switch's alpha E sum_i f_i P_i, f from the choices of all ranks (one Allreduce of E counts),
+    P from this rank's tokens. Returns the loss and the counts of all ranks (the load)."""
+    counts = torch.bincount(choice.reshape(-1), minlength=num_experts)
+    if comm is not None:
+        buffer = mpi_buffer(counts)
+        comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+        from_mpi(counts, buffer)
+    share = counts / counts.sum()  # f_i: no gradient flows through a count
+    return coef * num_experts * (share * probs.mean(dim=0)).sum(), counts
+
+
+def all_to_all(rows, send_rows, recv_rows, comm):
+    """MPI_Alltoallv of the rows of a matrix: send_rows[j] consecutive rows to rank j, in rank
+    order; recv_rows[i] rows from rank i, in rank order."""
+    width = rows.size(1)
+    out = rows.new_empty(sum(recv_rows), width)
+    send, recv = mpi_buffer(rows.detach().contiguous()), receive_buffer(out)
+
+    def counts_and_offsets(numbers):
+        counts = [r * width for r in numbers]
+        return counts, [sum(counts[:j]) for j in range(len(counts))]
+    comm.Alltoallv([send, counts_and_offsets(send_rows)], [recv, counts_and_offsets(recv_rows)])
+    return from_mpi(out, recv)
+
+
+class AllToAll(torch.autograd.Function):
+    """The exchange of rows, and its backward: the same exchange reversed, each row's gradient
+    sent back to the rank the row came from (the counts swapped)."""
+
+    @staticmethod
+    def forward(ctx, rows, send_rows, recv_rows, comm):
+        ctx.reverse = (recv_rows, send_rows, comm)
+        return all_to_all(rows, send_rows, recv_rows, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, *ctx.reverse), None, None, None
+
+
+def dispatch_and_run(tokens, choice, keep, experts, comm):
+    """Each kept (token, choice) pair's row through its expert, on whichever rank of comm holds it.
+    experts: this rank's E/P, rank j holding experts j E/P to (j+1) E/P - 1. Returns n k x h: the
+    output of each pair, zero for a dropped one."""
+    size, local, k = comm.Get_size(), len(experts), choice.size(1)
+    pairs = keep.reshape(-1).nonzero().squeeze(1)  # token t's choice c is pair t k + c
+    wanted = choice.reshape(-1)[pairs]
+    pairs = pairs[wanted.sort(stable=True).indices]  # by expert; in token order within one
+    sent = torch.bincount(wanted, minlength=size * local)  # rows for each expert, in expert order
+    received = torch.empty_like(sent)  # from rank i for my expert l: at i local + l
+    send, recv = mpi_buffer(sent), receive_buffer(received)
+    comm.Alltoall(send, recv)  # each rank gets the counts of its own experts from every rank
+    from_mpi(received, recv)
+    send_rows, recv_rows = sent.view(size, local).sum(1).tolist(), received.view(size, local).sum(1).tolist()
+    rows = AllToAll.apply(tokens[pairs // k], send_rows, recv_rows, comm)  # dispatch
+    # The rows arrive by source rank, within one by expert: regroup them expert by expert, run
+    # each expert once on all of its rows, and put the outputs back in the order of arrival.
+    pieces = torch.arange(len(rows), device=rows.device).split(received.tolist())
+    by_expert = torch.cat([pieces[i * local + e] for e in range(local) for i in range(size)])
+    sizes = received.view(size, local).sum(0).tolist()
+    out = torch.cat([expert(x) for expert, x in zip(experts, rows[by_expert].split(sizes))])
+    out = AllToAll.apply(out[by_expert.argsort()], recv_rows, send_rows, comm)  # combine
+    return tokens.new_zeros(choice.numel(), tokens.size(1)).index_copy(0, pairs, out)
+
+
+def average_gradients(model, comm, replica_comm):
+    """After backward: the dense gradients summed over all N ranks, each expert's over the N/P
+    ranks that hold it, and both divided by N (see the docstring: N, not N/P)."""
+    experts = expert_parameters(model)
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    for params, over in ((dense, comm), (experts, replica_comm)):
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        buffer = mpi_buffer(flat)
+        over.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+        flat = from_mpi(flat, buffer) / comm.Get_size()
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+# On a GPU: MPI reads GPU memory only when the library is CUDA-aware (found at start-up by
+# setup()). Otherwise a tensor on a GPU travels through a host copy. On the CPU these do nothing.
+CUDA_AWARE = False
+
+
+def mpi_buffer(t, nonblocking=False):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
+    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
+
+
+def receive_buffer(t):
+    """Where a receive for t lands: t itself, or an empty pinned host buffer (nothing to copy in)."""
+    return t if not t.is_cuda or CUDA_AWARE else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
+def from_mpi(t, buffer):
+    """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
+
+
+def expert_groups(comm, ep):
+    """Two splits of comm: the ep consecutive ranks that share the experts out (the tokens'
+    exchange), and the N/ep ranks, one in each group, that hold the same experts (their gradients)."""
+    rank = comm.Get_rank()
+    return comm.Split(rank // ep, rank), comm.Split(rank % ep, rank)
+
+
+def expert_parallel(model, ep_comm, stats_comm):
+    """Keep this rank's E/P experts of every MoE layer, in place (named as in the whole model);
+    the layers exchange tokens over ep_comm and count the router's choices over stats_comm."""
+    size, rank = ep_comm.Get_size(), ep_comm.Get_rank()
+    for moe in moe_layers(model):
+        per = moe.num_experts // size
+        moe.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(rank * per, (rank + 1) * per)})
+        moe.ep_comm, moe.stats_comm = ep_comm, stats_comm
+    return model
+
+
+def train_step(model, optimizer, x, y, comm, replica_comm, timeline):
+    """One step on this rank's slice of the batch. Returns this rank's loss."""
+    optimizer.zero_grad(set_to_none=False)
+    with timeline.span("compute", "forward"):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + sum(m.aux for m in moe_layers(model))
+    with timeline.span("compute", "backward"):
+        loss.backward()
+    average_gradients(model, comm, replica_comm)
+    with timeline.span("compute", "optimizer"):
+        optimizer.step()
+    return loss.item()
+
+
+# -----------------------------------------------------------------------------
+# The model: tensor_parallel.py's GPT, each block's MLP a mixture of experts
+# -----------------------------------------------------------------------------
+class Expert(nn.Module):
+    """One expert: the block's MLP of a dense GPT, h -> 4h -> h with GELU."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MoE(nn.Module):
+    """A router and E experts: y = sum over a token's top-k experts of gate x expert(x), added in
+    the order of the choices. Without ep_comm, one process holding every expert (the reference)."""
+
+    def __init__(self, hidden, num_experts, top_k, aux_coef, capacity_factor):
+        super().__init__()
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden) for _ in range(num_experts))
+        self.num_experts, self.top_k, self.aux_coef, self.capacity_factor = num_experts, top_k, aux_coef, capacity_factor
+        self.ep_comm = self.stats_comm = None
+        self.slices = 1  # the reference cuts its batch as the ranks do, for the capacity
+        self.aux = self.load = None  # the last forward's load-balancing loss and counts per expert
+        self.register_buffer("dropped", torch.tensor(0), persistent=False)  # pairs, over the run
+        self.register_buffer("min_gap", torch.tensor(math.inf), persistent=False)  # the router's, over the run
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.size(-1))
+        probs, choice, gate, gap = route(tokens, self.router, self.top_k)
+        capacity = None if self.capacity_factor is None else math.ceil(
+            self.capacity_factor * self.top_k * len(tokens) / (self.slices * self.num_experts))
+        keep = within_capacity(choice, self.num_experts, capacity, self.slices)
+        self.aux, self.load = load_balancing_loss(probs, choice, self.num_experts, self.aux_coef, self.stats_comm)
+        self.dropped, self.min_gap = self.dropped + (~keep).sum(), torch.minimum(self.min_gap, gap.detach())
+        if self.ep_comm is None:
+            outputs = self.every_expert_here(tokens, choice, keep)
+        else:
+            outputs = dispatch_and_run(tokens, choice, keep, list(self.experts.values()), self.ep_comm)
+        outputs, gate = outputs.view(*choice.shape, -1), gate.to(tokens.dtype).unsqueeze(-1)
+        y = gate[:, 0] * outputs[:, 0]
+        for c in range(1, self.top_k):  # the fixed order of the sum
+            y = y + gate[:, c] * outputs[:, c]
+        return y.view_as(x)
+
+    def every_expert_here(self, tokens, choice, keep):
+        outputs = tokens.new_zeros(choice.numel(), tokens.size(1))
+        for e, expert in enumerate(self.experts):
+            pairs = ((choice.reshape(-1) == e) & keep.reshape(-1)).nonzero().squeeze(1)
+            outputs = outputs.index_copy(0, pairs, expert(tokens[pairs // self.top_k]))
+        return outputs
+
+
+def attend(qkv, heads):
+    """Causal self-attention of `heads` heads, from queries, keys and values side by side."""
+    b, t, c = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+    q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
+    future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return (weights @ v).transpose(1, 2).reshape(b, t, c)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm decoder block whose MLP is a mixture of experts."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.heads, h = args.heads, args.hidden
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.ln2 = nn.LayerNorm(h)
+        self.moe = MoE(h, args.experts, args.top_k, args.aux_loss_coef, args.capacity_factor)
+
+    def forward(self, x):
+        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads))
+        return x + self.moe(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, --layers blocks, final LayerNorm, untied head."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, args.hidden), nn.Embedding(args.seq_len, args.hidden)
+        self.blocks = nn.ModuleList(Block(args) for _ in range(args.layers))
+        self.norm, self.out = nn.LayerNorm(args.hidden), nn.Linear(args.hidden, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x))
+
+
+def build_model(args):
+    """The whole model from the seed on the CPU, the same at every world size (GPT-2's init)."""
+    torch.manual_seed(args.seed)
+    model = GPT(args)
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    return model
+
+
+def moe_layers(model):
+    return [block.moe for block in model.blocks]
+
+
+def expert_parameters(model):
+    """This rank's expert parameters: layer by layer, expert by expert."""
+    return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
+
+
+def sgd(model, lr):
+    """SGD with momentum, every gradient there from the start: an expert that got no token in a
+    step still takes its momentum step, on the ranks and in the reference alike."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def expert_parallel_model(args, ep_comm, stats_comm, device):
+    """The whole model from the seed on the CPU; each rank keeps its experts and moves only its
+    part to its device. Returns it and its optimizer."""
+    model = expert_parallel(build_model(args), ep_comm, stats_comm).to(device)
+    return model, sgd(model, args.lr)
+
+
+def checksums(model):
+    """Bitwise fingerprints of the dense parameters and of this rank's experts."""
+    expert_ids, crc = {id(p) for p in expert_parameters(model)}, [0, 0]
+    for p in model.parameters():
+        kind = int(id(p) in expert_ids)
+        crc[kind] = zlib.crc32(p.detach().cpu().contiguous().numpy().tobytes(), crc[kind])
+    return crc
+
+
+# -----------------------------------------------------------------------------
+# The data: characters of Python's own source, batches a function of (seed, step)
+# -----------------------------------------------------------------------------
+_TEXT = []
+
+
+def load_text():
+    """argparse.py, textwrap.py and shlex.py from this Python, bytes >= 128 replaced by '?'."""
+    if not _TEXT:
+        raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
+        _TEXT.append(torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long))
+    return _TEXT[0]
+
+
+def make_batch(seed, step, size, seq_len):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+    data = load_text()
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
+    x = torch.stack([data[o:o + seq_len] for o in starts])
+    y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    return x, y
+
+
+# -----------------------------------------------------------------------------
+# The run: the step loop, and main() as a table of contents
+# -----------------------------------------------------------------------------
+def train(args, comm, device, model, optimizer, counted, timeline, past=()):
+    """The steps after the `past` ones (their global losses, from a checkpoint). Returns this
+    rank's losses of the new steps and their timings."""
+    rank, world_size = comm.Get_rank(), comm.Get_size()
+    per = args.batch_size // world_size
+    losses, records = [], []
+    for step in range(len(past), args.steps):
+        start = time.perf_counter()
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        x, y = x[rank * per:(rank + 1) * per].to(device), y[rank * per:(rank + 1) * per].to(device)
+        losses.append(train_step(model, optimizer, x, y, counted["dense"], counted["experts"], timeline))
+        records.append(timeline.step_record(start))
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
+            print_progress(comm, args, step, mean_loss, records[-1])
+        checkpoint_if_due(comm, args, step, lambda: {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "losses": list(past) + global_losses(comm, losses)}, model_config(args))
+    return losses, records
+
+
+def global_losses(comm, losses):
+    """Every rank's loss is that of its slice; the step's loss is their mean."""
+    total = torch.tensor(losses, dtype=torch.float64)
+    comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+    return (total / comm.Get_size()).tolist()
+
+
+def main(argv=None, comm=MPI.COMM_WORLD):
+    """Parse, set up, train, check, report. Returns the exit status of this rank."""
+    try:
+        args = parse_args(argv, comm.Get_size())
+        check_paths(comm, args)
+        run = setup(comm, args)
+        rank = comm.Get_rank()
+        ep_comm, replica_comm = expert_groups(comm, args.ep)
+        counted = {"all-to-all": CountedComm(ep_comm, run.timeline), "router": CountedComm(comm, run.timeline),
+                   "dense": CountedComm(comm, run.timeline), "experts": CountedComm(replica_comm, run.timeline)}
+        model, optimizer = expert_parallel_model(args, counted["all-to-all"], counted["router"], run.device)
+        past, resumed = [], None
+        if args.resume:
+            resumed, shard = load_checkpoint(comm, args.save, model_config(args),
+                                             lambda manifest: f"rank-{rank}.pt", args.steps)
+            if shard is not None:
+                past = restore(model, optimizer, shard)
+        print_header(comm, args, run, model, resumed)
+        run.memory.reset()  # the peak of training alone: not the model's building, nor the check
+        losses, records = train(args, comm, run.device, model, optimizer, counted, run.timeline, past)
+        run.memory.stop()
+    except ConfigError as e:
+        print0(comm, f"error: {e}", file=sys.stderr)
+        return e.status
+    losses = past + global_losses(comm, losses)
+    dense, experts = checksums(model)
+    if len(set(comm.allgather(dense))) != 1 or len(set(replica_comm.allgather(experts))) != 1:
+        raise RuntimeError("replicas diverged: the dense parameters, or the copies of an expert, differ")
+    diff, reference_dropped = check(comm, args, losses, model) if args.check else (None, None)
+    if args.trace:
+        write_trace(comm, run.timeline, args.trace)
+    return report(comm, args, run, model, losses, records, counted, diff, reference_dropped)
+
+
+# =============================================================================
+# You may stop reading here: the strategy is all above. Below, first this file's own machinery
+# (the check against single-process training, the report, its arguments and checkpoints), then
+# the machinery that every strategy file repeats word for word: the summary, checkpoints and
+# signals, counters, timeline and memory, device and MPI setup, arguments.
+# =============================================================================
+
+# --- This file's own: the check against single-process training, the report, arguments, checkpoints
+def reference_training(args, world_size):
+    """The same steps in one plain process holding every expert: no exchange, each expert run on
+    the tokens that chose it. With a capacity factor, each of the world_size slices of the batch
+    (one rank's tokens) fills the experts' capacity on its own, as on the ranks."""
+    model = build_model(args)
+    for moe in moe_layers(model):
+        moe.slices = world_size
+    optimizer, losses = sgd(model, args.lr), []
+    for step in range(args.steps):
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        optimizer.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + sum(m.aux for m in moe_layers(model))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+def gather_model(model, comm):
+    """{name: tensor} of the whole model on rank 0's CPU, None elsewhere: the dense parameters are
+    rank 0's own, and rank j of the first group sends the experts it holds."""
+    flat = torch.cat([p.detach().reshape(-1) for p in expert_parameters(model)]).cpu()
+    every = flat.new_empty(comm.Get_size(), flat.numel()) if comm.Get_rank() == 0 else None
+    comm.Gather(flat, every, root=0)
+    if comm.Get_rank() != 0:
+        return None
+    expert_ids = {id(p) for p in expert_parameters(model)}
+    full = {name: p.detach().cpu() for name, p in model.named_parameters() if id(p) not in expert_ids}
+    per = len(moe_layers(model)[0].experts)
+    for j in range(moe_layers(model)[0].num_experts // per):  # the ranks of the first group
+        offset = 0
+        for i, moe in enumerate(moe_layers(model)):  # in the order of expert_parameters()
+            for slot, expert in enumerate(moe.experts.values()):
+                for name, p in expert.named_parameters():
+                    full[f"blocks.{i}.moe.experts.{j * per + slot}.{name}"] = every[j, offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+    return full
+
+def check(comm, args, losses, model):
+    """Rank 0 gathers the model on its CPU and trains the reference there; the others wait without
+    spinning. Every rank gets the largest difference and the tokens the reference dropped."""
+    full, diff, dropped = gather_model(model, comm), None, None
+    if comm.Get_rank() == 0:
+        ref_losses, ref_model = reference_training(args, comm.Get_size())
+        diff = max_difference(losses, full, ref_losses, ref_model)
+        dropped = int(sum(m.dropped for m in moe_layers(ref_model)))
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_S)
+    return comm.bcast((diff, dropped), root=0)
+
+def print_header(comm, args, run, model, resumed):
+    world_size, P, E, L = comm.Get_size(), args.ep, args.experts, args.layers
+    expert_ids = {id(p) for p in expert_parameters(model)}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
+    one = sum(p.numel() for p in next(iter(moe_layers(model)[0].experts.values())).parameters())
+    if resumed:
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)")
+    print0(comm, *run.header,
+           f"model: GPT, {L} blocks, hidden {args.hidden}, {args.heads} heads, each block's MLP {E} experts, "
+           f"top-{args.top_k}: {dense + L * E * one:,} parameters, {dense:,} of them dense, {one:,} an expert",
+           f"--ep {P}: {world_size // P} group(s) of {P} consecutive ranks, {E // P} expert(s) of every block on each "
+           f"rank (rank j of a group: j x {E // P} to j x {E // P} + {E // P - 1}), each expert on {world_size // P} rank(s)",
+           f"batch {args.batch_size} x {args.seq_len} characters, {args.batch_size // world_size} sequences per rank | "
+           + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}: at most "
+              f"{math.ceil(args.capacity_factor * args.top_k * args.batch_size // world_size * args.seq_len / E)} "
+              f"pairs per expert from each rank") + f" | load-balancing coefficient {args.aux_loss_coef:g}",
+           f"text: {' + '.join(s + '.py' for s in SOURCES)} of Python {sys.version.split()[0]} "
+           f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes")
+
+def report(comm, args, run, model, losses, records, counted, diff, reference_dropped):
+    """The summary: bytes per step beside the formula, the experts' memory, the load, the drops
+    and the router's smallest gap; then finish() prints the rest and --json."""
+    world_size, P, E, k, L, h = comm.Get_size(), args.ep, args.experts, args.top_k, args.layers, args.hidden
+    steps_run, n, moes = max(1, len(records)), args.batch_size // world_size * args.seq_len, moe_layers(model)
+    experts = expert_parameters(model)
+    one = sum(p.numel() for p in next(iter(moes[0].experts.values())).parameters())
+    dense = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in experts)
+    dropped = comm.allreduce(int(sum(m.dropped for m in moes)))  # pairs, all ranks, all layers and steps
+    gap = comm.allreduce(float(min(m.min_gap for m in moes)), op=MPI.MIN)
+    mine = {"Alltoallv": counted["all-to-all"].bytes["Alltoallv"], "Alltoall": counted["all-to-all"].bytes["Alltoall"],
+            "router": sum(counted["router"].bytes.values()), "dense": sum(counted["dense"].bytes.values()),
+            "experts": sum(counted["experts"].bytes.values())}
+    every = comm.allgather({kind: b / steps_run for kind, b in mine.items()})
+    measured = {kind: sum(r[kind] for r in every) / world_size for kind in mine}
+    per_rank = [sum(r.values()) for r in every]
+    formula = {"Alltoallv": 4 * (L * k * n - dropped / (world_size * steps_run)) * h * 4, "Alltoall": L * E * 8,
+               "router": L * E * 8, "dense": 4 * dense, "experts": 4 * (E // P) * L * one}
+    calls = sum(sum(c.calls.values()) for c in counted.values()) / steps_run
+    held = comm.allgather(sum(p.numel() * p.element_size() for p in experts))
+    load = [m.load.tolist() for m in moes]
+    total = L * k * args.batch_size * args.seq_len * steps_run
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
+             f"bytes per step and rank, mean over the {world_size} ranks: {sum(measured.values()):,.0f} (from "
+             f"{min(per_rank):,.0f} to {max(per_rank):,.0f}: the rows a rank sends follow the routing); formula "
+             f"{sum(formula.values()):,.0f}",
+             f"  Alltoallv {measured['Alltoallv']:,.0f} = 4 L (k n - dropped) h x 4 = {formula['Alltoallv']:,.0f} | "
+             f"Alltoall of counts {measured['Alltoall']:,.0f} = L E 8 = {formula['Alltoall']:,} | router counts "
+             f"{measured['router']:,.0f} = L E 8 | dense gradients {measured['dense']:,.0f} = 4 D = {formula['dense']:,} | "
+             f"expert gradients {measured['experts']:,.0f} = 4 (E/P) L X = {formula['experts']:,}",
+             f"collectives per step and rank: {calls:g} (formula 6L + 2 = {6 * L + 2}: per block 4 Alltoallv, 1 Alltoall, "
+             f"1 Allreduce; 2 gradient Allreduces)",
+             f"expert parameters per rank: {min(held):,} to {max(held):,} bytes; formula (E/P) L X x 4 = "
+             f"{E // P * L * one * 4:,} ({E // P} of {E} experts x {L} blocks x {one:,} parameters)",
+             f"tokens per expert, last step, all ranks ({k} x {args.batch_size * args.seq_len} choices a block, "
+             f"{k * args.batch_size * args.seq_len / E:g} each if balanced): "
+             + " | ".join(f"block {i} {counts}" for i, counts in enumerate(load)),
+             f"(token, choice) pairs dropped: {dropped:,} of {total:,}"
+             + (" (dropless)" if args.capacity_factor is None else f" (capacity factor {args.capacity_factor:g})")
+             + ("" if reference_dropped is None else f"; the single process dropped {reference_dropped:,}"),
+             f"smallest gap between a token's k-th and (k+1)-th router probability: {gap:.2e} (rounding moves a "
+             f"float32 probability by about 1e-7: a gap that small could pick another expert in one process than in N)"]
+    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+        "experts": E, "top_k": k, "ep": P, "capacity_factor": args.capacity_factor, "aux_loss_coef": args.aux_loss_coef,
+        "comm_bytes_per_step": sum(measured.values()), "comm_bytes_formula": sum(formula.values()),
+        "comm_bytes_per_rank": per_rank, "comm_bytes_by_kind": measured, "comm_bytes_formula_by_kind": formula,
+        "collectives_per_step": calls, "collectives_formula": 6 * L + 2,
+        "expert_param_bytes_per_rank": held, "expert_param_bytes_formula": E // P * L * one * 4,
+        "tokens_per_expert": load, "tokens_dropped": dropped, "tokens_dropped_reference": reference_dropped,
+        "min_topk_gap": gap})
+
+def parse_args(argv, world_size):
+    p = common_arguments("Expert parallelism over MPI: a mixture-of-experts GPT on Python's own source.",
+                         steps=50, batch_size=24, lr=0.1, log_every=10)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    p.add_argument("--experts", type=COUNT, default=4, help="expert MLPs in every block")
+    p.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
+    p.add_argument("--ep", type=COUNT, help="ranks that share the experts out (default: the most that divide "
+                                            "both the ranks and the experts)")
+    p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(C k n / E) pairs per expert from each "
+                                                          "rank's n tokens (default: dropless)")
+    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"),
+                   default=0.01, help="alpha of the load-balancing loss")
+    args = check_common(p.parse_args(argv))
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
+                          f"size; use a multiple of {args.heads}, e.g. {16 * args.heads}")
+    if args.batch_size % world_size:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {world_size} ranks; use a "
+                          f"multiple of {world_size}, e.g. {world_size}, {2 * world_size}, {3 * world_size}")
+    if args.top_k >= args.experts:
+        raise ConfigError(f"--top-k {args.top_k} of --experts {args.experts} leaves the router no choice; "
+                          f"use --experts {args.top_k + 1} or more")
+    args.ep = args.ep or math.gcd(world_size, args.experts)
+    if world_size % args.ep or args.experts % args.ep:
+        works = [d for d in range(1, world_size + 1) if world_size % d == 0 and args.experts % d == 0]
+        raise ConfigError(f"--ep {args.ep} must divide both the {world_size} ranks and the {args.experts} "
+                          f"experts; use --ep {', '.join(map(str, works))}, or --experts a multiple of {args.ep}")
+    if args.seq_len >= len(load_text()):
+        raise ConfigError(f"--seq-len {args.seq_len} must be shorter than the text ({len(load_text())})")
+    return args
+
+def model_config(args):
+    """What the shapes of a checkpoint's shards depend on."""
+    return {"model": "GPT-MoE", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+            "seq_len": args.seq_len, "vocab": VOCAB, "experts": args.experts, "ep": args.ep}
+
+def restore(model, optimizer, shard):
+    """Load this rank's dense parameters and experts (written at this world size and --ep).
+    Returns the losses so far."""
+    model.load_state_dict(shard["model"])
+    optimizer.load_state_dict(shard["optimizer"])
+    return shard["losses"]
+
+# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
+    ref_state = ref_model.state_dict()
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+
+# --- Report: progress, the summary and --json, --trace -----------------------
+def print_progress(comm, args, step, loss, record):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
+                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+
+def finish(comm, args, run, losses, records, diff, compared, lines, keys):
+    """The summary: the file's own `lines`, the split of a step (medians over the steps after the
+    first, of the slowest rank), the peak memory each rank measured, the overlap counts of the
+    last step (keys['overlap']) and the check's verdict; then --json, the house keys and the
+    file's `keys`. Returns the exit status: 1 when the check exceeds the tolerance."""
+    medians = [{k: statistics.median(r[k] for r in (mine[1:] or mine)) for k in mine[0]}
+               for mine in comm.allgather(records)]
+    slowest = max(medians, key=lambda m: m["step_s"])
+    peaks = comm.allgather(run.memory.bytes)
+    ok = diff is None or diff <= TOLERANCE
+    overlap = keys.get("overlap") or {}
+    print0(comm, *lines,
+           f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+           f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
+           f"peak memory per rank ({run.memory.what}): {' | '.join(f'{p / 1e6:.2f}' for p in peaks)} MB",
+           *(["overlap, last step (started in time / all): "
+              + ", ".join(f"{name} {n}/{total}" for name, (n, total) in overlap.items())] if overlap else []),
+           *([f"check against single-process training: max |diff| {diff:.2e} ({compared}; tolerance "
+              f"{TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}"] if diff is not None else []))
+    if args.json:
+        print0(comm, json.dumps({
+            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"], "comm_s": slowest["comm_s"],
+            "idle_s": slowest["idle_s"], "check_max_abs_diff": diff, "peak_memory_bytes_per_rank": peaks, **keys}))
+    return 0 if ok else 1
+
+def write_trace(comm, timeline, path):
+    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
+    events = comm.gather(timeline.events, root=0)
+    if comm.Get_rank() == 0:
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
+        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
+                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
+        with open(path, "w") as out:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
+
+def print0(comm, *lines, file=None):
+    if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
+        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
+
+# --- Checkpoints: a folder appears whole or not at all; a signal stops at a step's end
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a batch system's time limit, or its warning
+stop_requested = []  # the signals this rank received
+
+def checkpoint_if_due(comm, args, step, make_shard, config):
+    """At the end of `step`: save when --save-every or the last step says so, or when any rank got
+    SIGTERM or SIGUSR1 (the ranks agree on it here, so all stop after the same step); after a
+    signal's save, end the job with status 0. make_shard() gives this rank's shard (collective)."""
+    stop = comm.allreduce(bool(stop_requested), op=MPI.LOR) and step + 1 < args.steps
+    if args.save and (stop or step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+        save_checkpoint(comm, args.save, step + 1, make_shard(), config)
+    if stop:
+        print0(comm, f"stopped by a signal after step {step + 1} of {args.steps}: " +
+               (f"checkpoint saved in {args.save}; rerun with --resume to continue" if args.save
+                else "nothing saved (no --save)"))
+        sys.exit(0)
+
+def checkpoints(root):
+    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
+    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
+    return [os.path.join(root, n) for n in names]
+
+def write_durably(path, data):
+    with open(path, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+def save_checkpoint(comm, root, step, shard, config, keep=2):
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
+    manifest and renames the folder to step-N: a job killed before the rename leaves the
+    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
+    every rank with one line, the previous checkpoint whole."""
+    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    files, error = {}, None
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    comm.Barrier()
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        if shard is not None:
+            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
+            torch.save(shard, stream)
+            write_durably(os.path.join(tmp, name), stream.getvalue())
+            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+    except OSError as e:
+        error = f"rank {comm.Get_rank()}: {e}"
+    gathered = comm.gather((files, error), root=0)
+    if comm.Get_rank() == 0:
+        error = next((e for _, e in gathered if e), None)
+        try:
+            if error is None:
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # atomic: the checkpoint is now complete
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)  # make the rename itself durable
+                os.close(fd)
+                for old in checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (checkpoints(root) or ["none"])[-1]
+        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
+                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
+
+def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified; (None,
+    None) when root holds none yet (a batch job's first run), which rank 0 says. Any problem on
+    any rank is a ConfigError on every rank."""
+    error = manifest = shard = None
+    try:
+        found = checkpoints(root)
+        if not found:
+            print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
+            return None, None
+        path = found[-1]
+        with open(os.path.join(path, "manifest.json")) as stream:
+            manifest = json.load(stream)
+        if manifest["strategy"] != STRATEGY:
+            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if manifest["step"] >= steps:
+            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
+                              f"train; ask for more steps to continue")
+        if same_world_size and manifest["world_size"] != comm.Get_size():
+            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
+                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
+        if manifest["config"] != config:
+            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
+        name = shard_name(manifest)
+        with open(os.path.join(path, name), "rb") as stream:
+            digest = hashlib.sha256(stream.read()).hexdigest()
+        if digest != manifest["files"][name]:
+            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
+        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except ConfigError as e:
+        error = str(e)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return manifest, shard
+
+# --- Counters, timeline and memory: measured around the strategy's own work ---
+class Timeline:
+    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
+    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
+    (step_record), so that timing never stalls the device in the middle of a step."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
+        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+        self.step_events = []  # the events of the last recorded step
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, mark):
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
+
+    @contextlib.contextmanager
+    def span(self, cat, name):
+        start, children = self._mark(), []
+        self.open.append(children)
+        try:
+            yield
+        finally:
+            self.open.pop()
+            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
+
+    def step_record(self, start):
+        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
+        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once a step: every event of the step has happened
+        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+        first = len(self.events)
+
+        def own_time(name, cat, start_mark, end_mark, children):
+            begin, end = self._seconds(start_mark), self._seconds(end_mark)
+            self.events.append((name, cat, begin, end))
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            return end - begin
+
+        for span in self.closed:
+            own_time(*span)
+        self.closed, self.step_events = [], self.events[first:]
+        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
+        return record
+
+def started_within(events, exchange, compute):
+    """[n, total]: of the spans named `exchange` (a name or a tuple of names), how many began
+    while a span named `compute` (likewise) was running: started in time to hide behind it."""
+    names = lambda x: (x,) if isinstance(x, str) else tuple(x)
+    running = [(begin, end) for name, _, begin, end in events if name in names(compute)]
+    starts = [begin for name, _, begin, _ in events if name in names(exchange)]
+    return [sum(any(lo <= s < hi for lo, hi in running) for s in starts), len(starts)]
+
+class CountedComm:
+    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
+    way the buffer methods are counted (calls, bytes of the first buffer, by name) and timed as
+    'comm' spans. Their requests' Wait polls with short sleeps (MPICH's Wait spins on the core of
+    a rank that computes): a point-to-point wait is the peer's lateness (idle), a collective's comm."""
+
+    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
+               "Allgather", "Iallgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+               "Ireduce_scatter_block", "Alltoall", "Alltoallv", "Ialltoallv"}
+
+    def __init__(self, comm, timeline):
+        self.comm, self.timeline = comm, timeline
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def reset(self):
+        self.calls.clear(), self.bytes.clear()
+
+    def __getattr__(self, name):
+        call = getattr(self.comm, name)
+        if name not in self.COUNTED:
+            return call
+
+        def counted(*args, **kwargs):
+            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
+            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+            self.calls[name] += 1
+            self.bytes[name] += buffer.numel() * buffer.element_size()
+            with self.timeline.span("comm", name):
+                result = call(*args, **kwargs)
+            if not isinstance(result, MPI.Request):
+                return result
+            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
+        return counted
+
+class CountedRequest:
+    def __init__(self, request, timeline, cat, name):
+        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
+
+    def Test(self):
+        return self.request.Test()
+
+    def Wait(self):
+        with self.timeline.span(self.cat, self.name + " wait"):
+            while not self.request.Test():
+                time.sleep(POLL_S)
+
+class PeakMemory:
+    """The most memory this rank held while training, less what it held before the model was
+    built. CUDA: the allocator's peak. CPU: the peak resident set (VmHWM) less its file-backed
+    pages (torch's code, loaded as kernels are first used), which means something because
+    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process."""
+
+    def __init__(self, device):  # before the model is built
+        __import__("torch._dynamo")  # torch's first optimizer imports it: 60+ MB of Python, not training
+        self.cuda = device.type == "cuda"
+        self.what = "CUDA allocator's peak" if self.cuda else "peak resident set less code, less the process before the model"
+        self.baseline = 0 if self.cuda else proc_status("VmRSS") - proc_status("RssFile")
+
+    def reset(self):
+        """From here on: the peak of training, not that of building the model."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # Linux: the peak resident set starts again from the current one
+
+    def stop(self):
+        """The peak until now: the check and the report that follow training do not count."""
+        self.bytes = (torch.cuda.max_memory_allocated() if self.cuda else
+                      max(0, proc_status("VmHWM") - proc_status("RssFile") - self.baseline))
+
+def proc_status(key):
+    """A size from /proc/self/status in bytes (Linux; 0 elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) * 1024 for line in status if line.startswith(key + ":")), 0)
+    return 0
+
+# --- Device and MPI setup -----------------------------------------------------
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+def launcher_local_rank():
+    """This rank's index on its node, as the launcher tells it (Open MPI, Slurm, MPICH, MVAPICH)."""
+    return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+
+def start_mpi():
+    """Before MPI starts: give freed memory back to the system at once (glibc otherwise keeps
+    freed blocks of up to 32 MB, and the resident set would never fall), and choose this rank's
+    GPU, since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI
+    with threads: on a GPU, autograd calls MPI from a thread of its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
+    local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
+    if local is not None and not cpu and torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not MPI.Is_initialized():  # the level mpi4py.rc.thread_level asks for (MPI4PY_RC_THREAD_LEVEL)
+        MPI.Init_thread(getattr(MPI, "THREAD_" + mpi4py.rc.thread_level.upper()))
+
+def setup(comm, args):
+    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
+    signal handlers, and the header's facts."""
+    global CUDA_AWARE
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    launcher = launcher_local_rank()
+    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    notes = [f"note: the launcher says local rank {launcher}, the node's ranks say {local_rank}"] if launcher not in (None, local_rank) else []
+    if args.device == "cuda" or (args.device == "auto" and gpus):
+        device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
+        torch.cuda.set_device(device)
+        check_thread_level(MPI.Query_thread())
+        CUDA_AWARE = mpi_cuda_aware(comm)
+        if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
+            try:
+                torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+            except AttributeError:  # torch before 2.9
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
+        if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
+            notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
+    else:
+        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
+        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
+        if local_size > cores:
+            notes.append(f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns")
+    node.Free()
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda number, frame: stop_requested.append(number))
+    comm.Barrier()  # the timeline's zero, about the same moment on every rank
+    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+              f"CUDA buffers: {transport}"] + notes
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
+
+def mpi_cuda_aware(comm):
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
+    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        kinds = None
+    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    forced = os.environ.get("MPI_CUDA_AWARE")
+    if forced == "1" and says is False:
+        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
+                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
+                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
+    return forced == "1" if forced in ("0", "1") else bool(says)
+
+def cuda_in_kinds(kinds):
+    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
+    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
+    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
+
+def mpix_query_cuda_support():
+    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
+    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
+    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    return None
+
+def check_thread_level(provided):
+    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
+    if provided < MPI.THREAD_SERIALIZED:
+        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
+                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
+                          f"keep mpi4py.rc.thread_level (MPI4PY_RC_THREAD_LEVEL) at its default, 'multiple'")
+
+def mpi_library():
+    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
+    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
+    return text.strip().splitlines()[0].strip()
+
+
+# --- Arguments, and the paths a run will write, checked before anything is built
+class ConfigError(Exception):
+    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
+    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
+
+    def __init__(self, message, status=2):
+        super().__init__(message)
+        self.status = status
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage on every rank."""
+
+    def error(self, message):
+        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
+                          else message)
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+def checked(kind, ok, must):
+    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
+    def parse(text):
+        value = kind(text)  # a ValueError is argparse's own "invalid int value: 'x'"
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+COUNT = checked(int, lambda v: v > 0, "a positive integer")
+COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
+AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+
+def common_arguments(description, steps, batch_size, lr, log_every):
+    p = Parser(description=description)
+    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
+    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with single-process training (default: on)")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
+    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    return p
+
+def check_common(args):
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return args
+
+
+def check_paths(comm, args):
+    """Before anything is built, each rank tries what it will write: --save, a folder (made if
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    rank, error = comm.Get_rank(), None
+    try:
+        if args.save:
+            if os.path.exists(args.save) and not os.path.isdir(args.save):
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", args.save)
+            os.makedirs(args.save, exist_ok=True)
+            write_durably(os.path.join(args.save, f".probe-{rank}"), b"")
+        if args.trace and rank == 0:
+            open(args.trace, "a").close()
+    except OSError as e:
+        error = f"cannot write {e.filename}: {e.strerror}"
+    comm.Barrier()
+    if args.save and error is None:  # a folder on a node-local disk hides the other nodes' probes
+        unseen = [r for r in range(comm.Get_size()) if not os.path.exists(os.path.join(args.save, f".probe-{r}"))]
+        error = unseen and (f"--save {args.save}: rank {rank} does not see the files of rank(s) "
+                            f"{', '.join(map(str, unseen))}; checkpoints need a folder every rank shares")
+    errors = [e for e in comm.allgather(error) if e]
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(os.path.join(args.save, f".probe-{rank}"))
+    if errors:
+        raise ConfigError(errors[0])
+
+def abort_on_exception(kind, value, tb):
+    """An exception on one rank must end the whole job, not leave the others in a collective."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    text = "".join(traceback.format_exception(kind, value, tb))
+    print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+if __name__ == "__main__":
+    start_mpi()
+    sys.excepthook = abort_on_exception
+    sys.exit(main())

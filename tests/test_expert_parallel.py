@@ -1,0 +1,237 @@
+"""expert_parallel.py: the router, the exchange and the gradients on sub-communicators of sizes 1 to 4,
+training against one process at every N and --ep, then the script as launched."""
+import copy
+
+import pytest
+import torch
+
+import expert_parallel as ep
+from harness import agree, clean_env, last_json, launch, max_everywhere, sub_comm
+
+CPU = torch.device("cpu")
+# 12 sequences split over 1, 2, 3 or 4 ranks; 4 experts (6 at N = 3, so that --ep 3 divides them).
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "12", "--steps", "3"]
+# Every (N, --ep, --experts) with --ep dividing both N and E; 4 ranks first, so that the four ranks'
+# first optimizer steps, which import torch._dynamo (20 s on a busy CPU), happen at once.
+LAYOUTS = [(4, 1, 4), (4, 2, 4), (4, 4, 4), (3, 1, 6), (3, 3, 6), (2, 1, 4), (2, 2, 4), (1, 1, 4)]
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Scale(torch.nn.Module):
+    """An expert that multiplies by a number: which expert a row went through shows in the row."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return self.factor * x
+
+
+def two_choices(n, num_experts, seed):
+    """Each of n tokens picks two different experts at random."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(n)])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_dispatch_and_combine_give_back_the_input_and_its_gradient(size):
+    """Identity experts: every pair's row comes back as its token, bit for bit, and the token's
+    gradient is the sum of its pairs' gradients. Experts that multiply by their number: every
+    row went through the expert it chose, though 2 experts a rank arrive by rank, not by expert."""
+    with sub_comm(size) as comm:
+        ok = True
+        if comm is not None:
+            rank, per = comm.Get_rank(), 2
+            n, num_experts = 5 + 3 * rank, per * size  # a different number of tokens on every rank
+            tokens = randn(n, 6, seed=rank).requires_grad_()
+            choice = two_choices(n, num_experts, seed=10 + rank)
+            keep = torch.ones_like(choice, dtype=torch.bool)
+            upstream = randn(2 * n, 6, seed=20 + rank)
+            for factor in (lambda e: 1.0, lambda e: e + 1.0):
+                experts = [Scale(factor(rank * per + e)) for e in range(per)]
+                out = ep.dispatch_and_run(tokens, choice, keep, experts, comm)
+                (out * upstream).sum().backward()
+                factors = choice.reshape(-1, 1).double().apply_(factor).float()
+                ok &= torch.equal(out, factors * tokens.detach().repeat_interleave(2, dim=0))
+                expected = (factors * upstream).view(n, 2, 6)
+                ok &= torch.equal(tokens.grad, expected[:, 0] + expected[:, 1])
+                tokens.grad = None
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, num_experts", [(1, 4), (2, 4), (3, 6), (4, 4)])
+def test_the_load_balancing_loss_is_exactly_alpha_for_a_uniform_router(size, num_experts):
+    """All router weights zero: every probability 1/E, and the stable sort gives every token
+    experts 0 to k-1 (the lowest index wins a tie, on every rank). alpha E sum_i f_i / E = alpha
+    whatever f; exactly (alpha as float32 holds it) with E = 4, where 1/4 is exact, and to rounding
+    with E = 6."""
+    with sub_comm(size) as comm:
+        ok = True
+        if comm is not None:
+            router = torch.nn.Linear(8, num_experts, bias=False)
+            torch.nn.init.zeros_(router.weight)
+            for k in (1, 2):
+                probs, choice, gate, gap = ep.route(randn(7, 8, seed=comm.Get_rank()), router, k)
+                aux, counts = ep.load_balancing_loss(probs, choice, num_experts, 0.01, comm)
+                ok &= bool((choice == torch.arange(k)).all()) and gap.item() == 0.0
+                ok &= counts.tolist() == [7 * size] * k + [0] * (num_experts - k)
+                alpha = torch.tensor(0.01).item()
+                ok &= aux.item() == alpha if num_experts == 4 else abs(aux.item() - alpha) <= 2e-9
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+def test_an_expert_that_receives_no_token_works():
+    """Two ranks, four experts of the real kind: expert 3 (rank 1's) gets no token, rank 1 sends
+    nothing to itself, and capacity drops a pair. Outputs, the tokens' gradients and the experts'
+    gradients equal those of one process holding every expert; expert 3's gradient is zero."""
+    with sub_comm(2) as comm:
+        diff, ok = 0.0, True
+        if comm is not None:
+            rank, n = comm.Get_rank(), 6
+            torch.manual_seed(0)
+            whole = ep.MoE(8, 4, 2, 0.0, None)
+            choices = [two_choices(n, 3, seed=1), two_choices(n, 2, seed=2)]  # rank 1: only experts 0, 1
+            keeps = [ep.within_capacity(c, 4, capacity=3) for c in choices]
+            tokens = [randn(n, 8, seed=3), randn(n, 8, seed=4)]
+            upstream = [randn(2 * n, 8, seed=5), randn(2 * n, 8, seed=6)]
+            local = [copy.deepcopy(whole.experts[e]) for e in (2 * rank, 2 * rank + 1)]
+            everything = torch.cat(tokens).requires_grad_()
+            out = whole.every_expert_here(everything, torch.cat(choices), torch.cat(keeps))
+            (out * torch.cat(upstream)).sum().backward()
+
+            mine = tokens[rank].clone().requires_grad_()
+            y = ep.dispatch_and_run(mine, choices[rank], keeps[rank], local, comm)
+            (y * upstream[rank]).sum().backward()
+            diff = max((y - out[2 * n * rank:2 * n * (rank + 1)]).abs().max().item(),
+                       (mine.grad - everything.grad[n * rank:n * (rank + 1)]).abs().max().item())
+            for e, expert in zip((2 * rank, 2 * rank + 1), local):
+                for p, q in zip(expert.parameters(), whole.experts[e].parameters()):
+                    diff = max(diff, (p.grad - q.grad).abs().max().item())
+            ok = bool((~torch.cat(keeps)).any())  # capacity did drop something
+            if rank == 1:
+                ok &= all(p.grad is not None and not p.grad.any() for p in local[1].parameters())
+        assert max_everywhere(diff) < 1e-6
+        assert agree(ok)
+
+
+def train_and_check(comm, argv):
+    """The script's training on comm, then its check. Returns (difference, the pairs dropped by the
+    ranks and by the reference, the loads, replicas bitwise identical)."""
+    args = ep.parse_args(TINY + argv, comm.Get_size())
+    timeline = ep.Timeline(CPU)
+    ep_comm, replica_comm = ep.expert_groups(comm, args.ep)
+    counted = {"all-to-all": ep.CountedComm(ep_comm, timeline), "router": ep.CountedComm(comm, timeline),
+               "dense": ep.CountedComm(comm, timeline), "experts": ep.CountedComm(replica_comm, timeline)}
+    model, optimizer = ep.expert_parallel_model(args, counted["all-to-all"], counted["router"], CPU)
+    losses, _ = ep.train(args, comm, CPU, model, optimizer, counted, timeline)
+    losses = ep.global_losses(comm, losses)
+    dense, experts = ep.checksums(model)
+    same = len(set(comm.allgather(dense))) == 1 and len(set(replica_comm.allgather(experts))) == 1
+    diff, reference_dropped = ep.check(comm, args, losses, model)
+    dropped = comm.allreduce(int(sum(m.dropped for m in ep.moe_layers(model))))
+    ep_comm.Free(), replica_comm.Free()
+    return diff, dropped, reference_dropped, same
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("size, P, num_experts", LAYOUTS)
+def test_training_equals_one_process_holding_every_expert(size, P, num_experts, top_k):
+    with sub_comm(size) as comm:
+        diff, same = 0.0, True
+        if comm is not None:
+            diff, dropped, reference_dropped, same = train_and_check(
+                comm, ["--ep", str(P), "--experts", str(num_experts), "--top-k", str(top_k)])
+            same &= dropped == reference_dropped == 0
+        assert max_everywhere(diff) <= ep.TOLERANCE
+        assert agree(same)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, P", [(2, 2), (4, 2)])
+def test_with_a_capacity_the_ranks_and_one_process_drop_the_same_pairs(size, P):
+    with sub_comm(size) as comm:
+        diff, ok = 0.0, True
+        if comm is not None:
+            diff, dropped, reference_dropped, ok = train_and_check(comm, ["--ep", str(P), "--capacity-factor", "1"])
+            ok &= dropped == reference_dropped > 0
+        assert max_everywhere(diff) <= ep.TOLERANCE
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+def test_expert_gradients_divided_by_the_replicas_instead_of_n_fail_the_check(monkeypatch):
+    """Negative control: at N = 4, --ep 2 each expert has 2 copies; dividing its summed gradient by
+    2 (N/P) instead of 4 (N) doubles it, and the check must say so."""
+    average = ep.average_gradients
+
+    def by_replicas(model, comm, replica_comm):
+        average(model, comm, replica_comm)
+        for p in ep.expert_parameters(model):
+            p.grad *= comm.Get_size() / replica_comm.Get_size()  # / (N/P) instead of / N
+    monkeypatch.setattr(ep, "average_gradients", by_replicas)
+    with sub_comm(4) as comm:
+        diff = 0.0 if comm is None else train_and_check(comm, ["--ep", "2"])[0]
+        assert max_everywhere(diff) > 10 * ep.TOLERANCE
+
+
+@pytest.mark.mpi
+def test_a_load_balancing_loss_from_each_rank_s_own_counts_fails_the_check(monkeypatch):
+    """Negative control: f counted on each rank's tokens alone (no Allreduce) gives each rank
+    another loss, and N ranks no longer train what one process trains."""
+    local = ep.load_balancing_loss
+    monkeypatch.setattr(ep, "load_balancing_loss", lambda *args: local(*args[:-1], None))
+    with sub_comm(4) as comm:
+        diff = 0.0 if comm is None else train_and_check(comm, ["--ep", "2", "--aux-loss-coef", "0.1"])[0]
+        assert max_everywhere(diff) > 10 * ep.TOLERANCE
+
+
+@pytest.mark.parametrize("argv, world, words", [
+    (["--ep", "3"], 4, ["--ep 3", "4 ranks", "4 experts", "--ep 1, 2, 4"]),
+    (["--experts", "6"], 4, None),
+    (["--top-k", "2", "--experts", "2"], 1, ["--top-k 2", "--experts 3"]),
+    (["--top-k", "3"], 1, ["--top-k"]),
+    (["--batch-size", "10"], 4, ["--batch-size 10", "multiple of 4"]),
+    (["--capacity-factor", "0"], 1, ["--capacity-factor"]),
+    (["--aux-loss-coef", "-1"], 1, ["--aux-loss-coef"]),
+])
+def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
+    if words is None:  # 6 experts on 4 ranks: --ep defaults to 2, which divides both
+        assert ep.parse_args(argv, world).ep == 2
+        return
+    with pytest.raises(ep.ConfigError) as error:
+        ep.parse_args(argv, world)
+    assert all(w in str(error.value) for w in words), str(error.value)
+
+
+@pytest.mark.e2e
+def test_the_script_as_launched_matches_one_process_and_counts_its_bytes():
+    """N = 4 with --ep 2 as a user runs it (N = 1 to 4 and every --ep are the in-process tests'):
+    the counted bytes equal the formula's (dropless: every rank's rows, averaged over the ranks),
+    and every key of the JSON is there."""
+    run = last_json(launch("expert_parallel.py", 4, *TINY, "--ep", "2", "--json"))
+    assert (run["experts"], run["ep"], run["top_k"]) == (4, 2, 2)
+    assert run["check_max_abs_diff"] <= ep.TOLERANCE and run["losses"][-1] < run["losses"][0]
+    assert run["comm_bytes_per_step"] == run["comm_bytes_formula"]
+    assert run["comm_bytes_by_kind"] == run["comm_bytes_formula_by_kind"]
+    assert len(set(run["comm_bytes_per_rank"])) > 1  # the rows a rank sends follow the routing
+    assert run["collectives_per_step"] == run["collectives_formula"] == 6 * 2 + 2
+    assert run["expert_param_bytes_per_rank"] == [run["expert_param_bytes_formula"]] * 4
+    assert [sum(load) for load in run["tokens_per_expert"]] == [2 * 12 * 16] * 2
+    assert run["tokens_dropped"] == run["tokens_dropped_reference"] == 0 and run["min_topk_gap"] > 0
+
+
+@pytest.mark.e2e
+def test_a_nudged_parameter_fails_the_check():
+    """Negative control as launched: FAIL_AT=*:2:nudge moves a weight by 10 x TOLERANCE on every
+    rank after step 2; the check must print -> FAIL and the job exit 1."""
+    result = launch("expert_parallel.py", 2, *TINY, env=clean_env(FAIL_AT="*:2:nudge"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "-> FAIL" in result.stdout and "Traceback" not in result.stderr, result.stdout + result.stderr
