@@ -230,7 +230,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, dout = ctx.cp, dout.contiguous()
         size, rank = cp.comm.Get_size(), cp.comm.Get_rank()
-        delta = (dout * out).sum(-1)  # sum over keys of weight x d weight, row by row
+        delta = (dout * out).sum(-1)  # = the row sums of weights x their gradients, which softmax's backward needs
         dq = torch.zeros_like(q)
         kv, spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
         accumulator = None  # the dK/dV of the block in hand from the ranks before, on its way here
@@ -645,8 +645,8 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
              f"({'equal on every rank' if args.layout == 'zigzag' else 'r x B^2 + B(B+1)/2'}); scores computed "
              f"(masked or not): {scores}",
              f"activation bytes saved for backward per rank: {', '.join(f'{b:,}' for b in saved)}"
-             + (f"; one process (this attention, whole sequence): {one:,} = {n} x {one / n:,.0f}; plain attention: "
-                f"{plain:,} (it saves the T x T weights)" if one else "")]
+             + (f"; one process (this attention, whole sequence): {one:,} = {n} x rank 0's {one - n * saved[0]:+,} bytes; "
+                f"plain attention: {plain:,} (it saves the T x T weights)" if one else "")]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
         "cp_layout": args.layout, "cp_comm": args.cp_comm, "overlap": overlap,
         "comm_bytes_per_step": max(comm.allgather(sent)), "comm_bytes_formula": total_formula,
