@@ -433,13 +433,15 @@ def sharded(meta, runs, cores):
               "rank holds after the last step, each storage once (FSDP2: the local shards), the "
               "largest over ranks: parameters / gradients / optimizer state / the peak of whole layers "
               "gathered at once = total, in MB; *formula*: sharded_data_parallel.py's for its stage "
-              "(plain data parallelism: 16 Psi). *Bytes/step*: the bytes of the vectors handed to "
+              "(plain data parallelism: 16 Psi). *Peak MB, measured*: the largest over ranks of the peak a "
+              "rank held during training, measured from the process as the scripts measure it (on the "
+              "CPU: the peak resident set less file-backed pages, less the process before the model). *Bytes/step*: the bytes of the vectors handed to "
               "the collectives per step and rank, and the number of calls (ours: with its "
               "formula). *Loss Δ*: largest difference between loss curves: ours against DDP + AdamW, "
               "a peer against our run of its stage (DDP against stage 1).", ""]
     head = ["N", "run", "step ms (range)", "× peer (range)", "× DDP + AdamW (range)",
             "memory per rank MB: params / grads / optimizer / gathered = total", "formula MB",
-            "bytes/step", "loss Δ"]
+            "peak MB, measured", "bytes/step", "loss Δ"]
     rows = []
     for n, j in jobs:
         where = ranks_label(n, cores)
@@ -458,7 +460,8 @@ def sharded(meta, runs, cores):
             formula = r.get("memory_bytes_formula")
             rows.append([where, c["label"], step_cell(c), ratio_cell(c, peer) if mine else "–",
                          ratio_cell(c, ddp), memory_cell(r.get("memory_bytes_per_rank")),
-                         mb(formula["total"]) if formula else "–", sent,
+                         mb(formula["total"]) if formula else "–",
+                         mb(max(r["peak_memory_bytes_per_rank"])) if r.get("peak_memory_bytes_per_rank") else "–", sent,
                          sci(loss_diff(c, counterpart(j, c)))])
     return lines + table(head, rows) + load_line([j for _, j in jobs])
 

@@ -16,6 +16,7 @@ cannot run here, {"error": "one line saying why"}.
 import argparse
 import collections
 import contextlib
+import ctypes
 import datetime
 import importlib
 import inspect
@@ -453,6 +454,7 @@ def gpt_training(ctx, wrap, make_optimizer, local_state=lambda o: o.state, shard
     if device.type == "cuda":
         raise CannotRun("the ZeRO peers are measured on the CPU only")
     rank, n = comm.Get_rank(), comm.Get_size()
+    meter = sdp.PeakMemory(device)  # the peak, measured as the strategy scripts measure theirs
     model = wrap(sdp.build_model(a).to(device))
     optimizer = make_optimizer(model.parameters(), lr=a.lr, betas=sdp.BETAS, eps=sdp.EPS,
                                weight_decay=sdp.WEIGHT_DECAY)
@@ -476,8 +478,10 @@ def gpt_training(ctx, wrap, make_optimizer, local_state=lambda o: o.state, shard
         optimizer.step()
         return loss.item()
 
+    meter.reset()
     with counted_collectives() as counts:
         seconds, losses = timed(comm, ctx.args.steps, step, device)
+    meter.stop()
     params = list(model.parameters())
     state = [v for s in local_state(optimizer).values() for v in s.values() if torch.is_tensor(v)]
     memory = {"parameters": held_bytes(params), "gradients": held_bytes(p.grad for p in params),
@@ -486,7 +490,8 @@ def gpt_training(ctx, wrap, make_optimizer, local_state=lambda o: o.state, shard
     return {"step_time_s": seconds, "losses": [sum(ls) / n for ls in zip(*comm.allgather(losses))],
             "comm_bytes_per_step": max(comm.allgather(counts["bytes"] / ctx.args.steps)),
             "collectives_per_step": max(comm.allgather(counts["calls"] / ctx.args.steps)),
-            "memory_bytes_per_rank": {k: max(m[k] for m in every) for k in every[0]}}
+            "memory_bytes_per_rank": {k: max(m[k] for m in every) for k in every[0]},
+            "peak_memory_bytes_per_rank": comm.allgather(meter.bytes)}
 
 
 def ddp_wrap(model):
@@ -734,6 +739,10 @@ def parse_args(argv):
 
 def main(argv=None):
     comm = MPI.COMM_WORLD
+    # as the strategies' start_mpi(): freed memory goes back to the system, so that the peak
+    # resident set of one case does not hide inside the heap another case left behind
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
     args = parse_args(argv)
     local_rank, ranks_here = node_layout(comm)
     if args.device == "cpu":  # as the strategies do: oversubscribed ranks must not thrash
