@@ -42,15 +42,18 @@ def test_rows_without_a_command_name_the_tests_that_run_them(where, message):
 @pytest.mark.e2e
 @pytest.mark.parametrize("command, message", [r for r in ROWS if r[0].startswith("mpirun")])
 def test_each_rejected_input_exits_2_with_its_message(command, message):
+    """Within the harness's launch timeout: on 2 cores under a load average of 29, four ranks took
+    56 s to start torch and refuse (60 s was too tight); a hang still fails."""
     mpirun, np_flag, np, python, script, *args = shlex.split(command)
     assert (mpirun, np_flag, python) == ("mpirun", "-np", "python")
     parts = message.split("...")
-    line = assert_refused(launch(script, int(np), *args, timeout=60), parts[0].rstrip())
+    line = assert_refused(launch(script, int(np), *args), parts[0].rstrip())
     assert line.startswith(parts[0].rstrip()) and line.rstrip().endswith(parts[-1].strip())
 
 
 PRESENT = [s for s in ("data_parallel.py", "tensor_parallel.py", "pipeline_parallel.py", "model_parallel.py",
-                       "sharded_data_parallel.py", "hybrid_parallel.py") if (ROOT / s).exists()]
+                       "sharded_data_parallel.py", "hybrid_parallel.py", "context_parallel.py",
+                       "expert_parallel.py") if (ROOT / s).exists()]
 
 
 @pytest.mark.e2e
@@ -62,4 +65,4 @@ PRESENT = [s for s in ("data_parallel.py", "tensor_parallel.py", "pipeline_paral
 ])
 def test_a_path_that_cannot_be_written_is_refused_before_training(script, flag, path, words):
     """Every file, before it builds anything: one line, exit 2, no step printed."""
-    assert_refused(launch(script, 2, flag, path, "--steps", 100_000, timeout=60), words)
+    assert_refused(launch(script, 2, flag, path, "--steps", 100_000), words)
