@@ -21,26 +21,30 @@ padded with zeros to a multiple of N; rank r owns partition r of every layer, an
                                                      reduce-scatter as in stage 2; the next layer's
                                                      gather starts while this one computes
 
-Memory per rank in float32 with Adam, for Psi parameters with the padding (4 bytes of parameter,
-4 of gradient, 8 of moments each): plain data parallelism 16 Psi; stage 1: 8 Psi + 8 Psi / N;
-stage 2: 4 Psi + 12 Psi / N; stage 3: 16 Psi / N plus the whole layers gathered at once, the one
-computing and the next (4 bytes x the largest two neighbouring layers). Stages 2 and 3 also hold
-a layer's whole gradients between its backward and its reduce-scatter.
+Memory per rank at the peak of a step, for Psi parameters (padding included) in float32 with AdamW
+(4 bytes of parameter, 4 of gradient, 8 of moments each; plain data parallelism: 16 Psi + A):
+  stage 1: 8 Psi + 8 Psi / N + A         A: the activations autograd saves for backward (B/N samples)
+  stage 2: 4 Psi + 12 Psi / N + W + A    W: 4 bytes x the largest two neighbouring layers
+  stage 3: 16 Psi / N + 2 W + A
+W is transient, held only during a step: stage 3 gathers a layer before it computes and the next
+one while it does; stages 2 and 3 hold a layer's whole gradient from its first gradient in
+backward until its reduce-scatter completes, two at most (the one backward fills, one in flight).
+The paper counts mixed precision (2 + 2 + 12 bytes: 16-bit parameters and gradients, a 32-bit
+master copy and moments): stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N, stage 3 16 Psi / N.
 
 Communication per step, for G = 4 Psi bytes: stages 1 and 2 reduce-scatter the gradients and
 all-gather the parameters, one call of each per layer, G bytes of vectors each. A ring moves
 (N-1)/N of a vector in and out of each rank: 2(N-1)/N x G, what an allreduce of the gradients
 moves (a ring allreduce is a reduce-scatter then an all-gather). Stage 3 all-gathers twice
 (before forward, before backward) and reduce-scatters once: 3(N-1)/N x G, 1.5 times that.
+--no-overlap, the baseline: stages 2 and 3 reduce-scatter after backward, stage 3 never prefetches.
 
-The network: the GPT of tensor_parallel.py without the key bias (see Block), trained with AdamW.
+The network: the GPT of tensor_parallel.py without the key bias (see Block), trained with AdamW
+on the standard library's argparse.py, textwrap.py and shlex.py (bytes >= 128 replaced by '?').
 
 When to choose it: the model trains with data parallelism, but its parameters, gradients and
 optimizer state do not fit on one device. Stages 1 and 2 cost nothing in traffic, so take them
 first; stage 3 pays 1.5 times the traffic for memory that falls as 1/N.
-
-The text: the standard library's argparse.py, textwrap.py and shlex.py, read from the running
-Python, bytes >= 128 replaced by '?'.
 
 Run:  mpirun -np 4 python sharded_data_parallel.py --zero-stage 3      (add --help for the flags)
 """
@@ -62,27 +66,241 @@ import sys
 import time
 import traceback
 import types
+import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mpi4py import MPI
+import mpi4py
+
+mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
+mpi4py.rc.finalize = True  # and ends when the process does
+from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "sharded_data_parallel"
 # Largest |difference| allowed against single-process training (float32). Measured (see check()): 6.0e-7
 # and 7.6e-7 for default runs (stage 3, N = 4; stage 2, N = 3), at most 2.4e-6 after 100 steps.
 TOLERANCE = 2e-5
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
-SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
-VOCAB = 128  # the ASCII codes
+SOURCES, VOCAB = ("argparse", "textwrap", "shlex"), 128  # the text: these modules' source; ASCII codes
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01  # AdamW's, as in BERT; EPS: see check()
 
 
 # -----------------------------------------------------------------------------
 # The strategy: each rank owns 1/N of every layer's flat parameter vector, and steps only it
 # -----------------------------------------------------------------------------
-# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
-# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+class FlatLayer:
+    """A layer's parameters as one flat vector `whole`, padded with zeros to a multiple of N. Rank
+    r's partition is elements [r S, (r + 1) S), S = padded / N. The module's parameters become
+    views into `whole`, so an all-gather into `whole` updates them. Stage 3 frees `whole` between
+    uses, and `state` says where it is: "whole", "gathering" (an all-gather in flight) or "free"."""
+
+    def __init__(self, module, comm, stage, device):
+        self.params = list(module.parameters())
+        world_size, rank = comm.Get_size(), comm.Get_rank()
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = -(-self.numel // world_size) * world_size
+        self.size = self.padded // world_size
+        self.mine = slice(rank * self.size, (rank + 1) * self.size)
+        self.whole = torch.zeros(self.padded, device=device)
+        for p, view in zip(self.params, self.views(self.whole)):
+            view.copy_(p.detach())
+            p.data = view
+        # What the optimizer updates: in stages 1 and 2 a view into the whole vector (the
+        # all-gather after the step then runs in place); in stage 3 all this rank keeps.
+        self.partition = self.whole[self.mine].clone() if stage == 3 else self.whole[self.mine]
+        # The whole gradient as one flat vector, autograd adding into views of it: stage 1 keeps
+        # it, and the reduce-scatter's sum of my part lands in my part of it; stages 2 and 3
+        # hold it only from the layer's first gradient to its reduce-scatter (see ZeRO).
+        self.grad_whole, self.state, self.request = None, "whole", None
+        if stage == 1:
+            self.grad_whole = torch.zeros(self.padded, device=device)
+            self.partition.grad = self.grad_whole[self.mine]
+            for p, view in zip(self.params, self.views(self.grad_whole)):
+                p.grad = view
+        else:  # stages 2 and 3 keep their partition of the gradient alone
+            self.partition.grad = torch.zeros(self.size, device=device)
+        if stage == 3:
+            self.free()
+
+    def views(self, flat):
+        """Views into a flat vector of this layer, one shaped like each parameter, in order."""
+        pieces = flat[:self.numel].split([p.numel() for p in self.params])
+        return [piece.view_as(p) for piece, p in zip(pieces, self.params)]
+
+    def gather(self, comm):
+        """Stage 3: give `whole` its memory back and start the all-gather that refills it."""
+        self.whole.untyped_storage().resize_(self.padded * self.whole.element_size())
+        self.whole[self.mine] = self.partition.detach()  # this rank's part; MPI brings the rest
+        self.buffer = mpi_buffer(self.whole, nonblocking=True)
+        self.request, self.state = comm.Iallgather(MPI.IN_PLACE, self.buffer), "gathering"
+
+    def wait_gathered(self):
+        self.request.Wait()
+        from_mpi(self.whole, self.buffer)
+        self.request, self.buffer, self.state = None, None, "whole"
+
+    def free(self):
+        """Give back the whole vector's memory. The views (and autograd's saved tensors, views
+        too) keep their shapes, and see the values again once the next gather refills it."""
+        self.whole.untyped_storage().resize_(0)
+        self.state = "free"
+
+
+class ZeRO:
+    """AdamW on this rank's partitions, and the exchange of ZeRO stage 1, 2 or 3 around it.
+    Stage 1: backward adds into whole gradients; then per layer a Reduce_scatter_block leaves
+    each rank the sum of its partition, AdamW steps it, and an Allgather brings back every partition.
+    Stage 2: a layer's first gradient allocates its whole gradient; a post-accumulate-grad hook
+    counts them, and when the last is in, the layer's Ireduce_scatter_block starts while backward
+    carries on with earlier layers. Stage 3: forward hooks all-gather a layer before its forward
+    (and start the next one's) and free it after; a hook on its output gathers it again before its
+    backward; then as stage 2. Spans named after the layer ("gather 3", "before forward 3") show
+    what was prefetched."""
+
+    def __init__(self, model, comm, stage, lr, device, timeline, overlap=True):
+        self.comm, self.stage, self.world_size, self.device = comm, stage, comm.Get_size(), device
+        self.timeline, self.overlap = timeline, overlap
+        self.layers = [FlatLayer(m, comm, stage, device) for m in model.layers]
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, betas=BETAS, eps=EPS,
+                                           weight_decay=WEIGHT_DECAY)
+        # arrived: gradients in, per layer; in_flight: the reduce-scatter under way (a layer's whole
+        # gradient, its buffers and request); deferred: --no-overlap's layers waiting for backward's end
+        self.arrived, self.in_flight, self.deferred = [0] * len(self.layers), None, []
+        for i, (layer, module) in enumerate(zip(self.layers, model.layers)):
+            if stage >= 2:
+                for p in layer.params:
+                    p.register_hook(lambda grad, i=i: self._grad_arriving(i))
+                    p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+            if stage == 3:
+                module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
+                module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+
+    def parameters(self):
+        """What this rank owns and updates: its partition of every layer."""
+        return (layer.partition for layer in self.layers)
+
+    # --- one optimizer step -------------------------------------------------------------------
+    def backward(self, loss):
+        """loss.backward() with the gradient exchange; leaves each partition's mean gradient."""
+        self.arrived = [0] * len(self.layers)
+        if self.stage == 1:
+            for layer in self.layers:
+                layer.grad_whole.zero_()  # autograd adds into it
+        with self.timeline.span("compute", "backward"):
+            loss.backward()
+        if self.stage == 1:
+            for layer in reversed(self.layers):  # into a buffer of its own: not in place, which
+                received = torch.empty(layer.size, device=self.device)  # some CUDA-aware MPIs break
+                buffer = mpi_buffer(received)
+                self.comm.Reduce_scatter_block(mpi_buffer(layer.grad_whole), buffer, op=MPI.SUM)
+                layer.partition.grad.copy_(from_mpi(received, buffer))
+        else:
+            assert all(n == len(layer.params) for n, layer in zip(self.arrived, self.layers)), \
+                "a gradient never arrived"
+            for layer in self.deferred:  # --no-overlap: the reduce-scatters start now
+                self.reduce_scatter(layer)
+            self.deferred = []
+            self.finish_reduce_scatter(wait=True)
+        for layer in self.layers:
+            layer.partition.grad /= self.world_size  # each rank's loss is the mean of its slice
+
+    def step(self):
+        """AdamW on this rank's partitions; stages 1 and 2 then all-gather the parameters."""
+        self.optimizer.step()
+        if self.stage < 3:
+            for layer in self.layers:
+                buffer = mpi_buffer(layer.whole)
+                self.comm.Allgather(MPI.IN_PLACE, buffer)
+                from_mpi(layer.whole, buffer)
+
+    # --- stages 2 and 3: reduce-scatter each layer's gradients as soon as backward has them --
+    def _grad_arriving(self, i):
+        """A gradient of layer i is about to be added: the layer's first allocates its whole
+        gradient, and autograd adds each into a view of it (no copy into a send buffer)."""
+        layer = self.layers[i]
+        if layer.grad_whole is None:
+            layer.grad_whole = torch.zeros(layer.padded, device=self.device)
+            for p, view in zip(layer.params, layer.views(layer.grad_whole)):
+                p.grad = view
+
+    def _grad_ready(self, i):
+        layer = self.layers[i]
+        self.arrived[i] += 1
+        if self.arrived[i] == len(layer.params):  # the layer's whole gradient is in
+            for p in layer.params:
+                p.grad = None  # the flat vector alone holds it now
+            if self.overlap:
+                self.reduce_scatter(layer)
+            else:
+                self.deferred.append(layer)
+            if self.stage == 3:
+                layer.free()  # every node of its backward has run: each one fed a gradient
+        self.progress()
+
+    def reduce_scatter(self, layer):
+        """Start summing the layer's whole gradient, my partition of the sum into partition.grad.
+        One at a time: with the one backward fills, at most two whole gradients exist."""
+        self.finish_reduce_scatter(wait=True)
+        send = mpi_buffer(layer.grad_whole, nonblocking=True)
+        received = mpi_buffer(layer.partition.grad, nonblocking=True)
+        request = self.comm.Ireduce_scatter_block(send, received, op=MPI.SUM)
+        self.in_flight, layer.grad_whole = (layer, send, received, request), None  # send holds it
+
+    def finish_reduce_scatter(self, wait):
+        """Complete the reduce-scatter in flight, if any, once Test says done (or wait for it),
+        and let go of its buffers: the layer's whole gradient lives no longer."""
+        if self.in_flight is None:
+            return
+        layer, send, received, request = self.in_flight
+        if wait:
+            request.Wait()
+        elif not request.Test():
+            return
+        from_mpi(layer.partition.grad, received)
+        self.in_flight = None
+
+    def progress(self):
+        """MPICH moves a non-blocking collective forward only inside MPI calls: poll them all."""
+        self.finish_reduce_scatter(wait=False)
+        for layer in self.layers:
+            if layer.request is not None:
+                layer.request.Test()
+
+    # --- stage 3: gather a layer just before it is needed, free it right after ---------------
+    def gather(self, i):
+        """Start the all-gather of layer i, unless it is whole or on its way."""
+        if self.layers[i].state == "free":
+            with self.timeline.span("comm", f"gather {i}"):
+                self.layers[i].gather(self.comm)
+
+    def wait_gathered(self, i):
+        self.gather(i)
+        if self.layers[i].state == "gathering":
+            self.layers[i].wait_gathered()
+
+    def _before_forward(self, i):
+        with self.timeline.span("compute", f"before forward {i}"):
+            self.wait_gathered(i)
+            if i + 1 < len(self.layers) and self.overlap:
+                self.gather(i + 1)  # prefetch: the next layer arrives while this one computes
+            self.progress()
+
+    def _after_forward(self, i, out):
+        self.layers[i].free()
+        if out.requires_grad:  # runs once out's gradient is in, before layer i's backward
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i):
+        with self.timeline.span("compute", f"before backward {i}"):
+            self.wait_gathered(i)
+            if i > 0 and self.overlap:
+                self.gather(i - 1)  # prefetch: backward runs the layers in reverse
+            self.progress()
+
+
+# On a GPU: MPI reads GPU memory only when the library is CUDA-aware (found at start-up by
+# setup()). Otherwise a tensor on a GPU travels through a host copy. On the CPU these do nothing.
 CUDA_AWARE = False
 
 
@@ -100,232 +318,16 @@ def mpi_buffer(t, nonblocking=False):
 
 
 def from_mpi(t, buffer):
-    """Bring what MPI wrote into a host copy back to t; returns t."""
+    """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
     if buffer is not t:
         t.copy_(buffer)
     return t
 
 
-class ZeRO:
-    """AdamW on this rank's partitions, and the exchange of ZeRO stage 1, 2 or 3 around it.
-
-    Stage 1: backward fills whole gradients; then per layer a Reduce_scatter_block leaves each
-    rank the sum of its partition, AdamW steps it, and an Allgather brings back every partition.
-    Stage 2: a post-accumulate-grad hook counts each layer's gradients; when the layer's last one
-    is in, its Ireduce_scatter_block starts while backward carries on with earlier layers.
-    Stage 3: forward hooks all-gather a layer before its forward (and start the next one's) and
-    free it after; a hook on its output gathers it again before its backward; then as stage 2.
-    """
-
-    def __init__(self, model, comm, stage, lr, device):
-        self.comm, self.stage, self.world_size = comm, stage, comm.Get_size()
-        self.layers = [FlatLayer(m, comm, stage, device) for m in model.layers]
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, betas=BETAS, eps=EPS,
-                                           weight_decay=WEIGHT_DECAY)
-        self.pending, self.arrived = [], [0] * len(self.layers)
-        self.gathered_bytes = self.peak_gathered_bytes = 0  # stage 3: whole layers held at once
-        for i, (layer, module) in enumerate(zip(self.layers, model.layers)):
-            if stage >= 2:
-                for p in layer.params:
-                    p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
-            if stage == 3:
-                module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
-                module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
-
-    def parameters(self):
-        """What this rank owns and updates: its partition of every layer."""
-        return (layer.partition for layer in self.layers)
-
-    # --- one optimizer step -------------------------------------------------------------------
-    def backward(self, loss):
-        """loss.backward() with the gradient exchange; leaves each partition's mean gradient."""
-        self.arrived, self.pending = [0] * len(self.layers), []
-        if self.stage == 1:
-            for layer in self.layers:
-                layer.grad_whole.zero_()  # autograd adds into it
-        loss.backward()
-        if self.stage == 1:
-            for layer in reversed(self.layers):
-                buffer = mpi_buffer(layer.grad_whole)
-                self.comm.Reduce_scatter_block(MPI.IN_PLACE, buffer, op=MPI.SUM)
-                from_mpi(layer.grad_whole, buffer)
-        else:
-            assert all(n == len(layer.params) for n, layer in zip(self.arrived, self.layers)), \
-                "a gradient never arrived"
-            for layer, _, received, request in self.pending:
-                request.Wait()
-                from_mpi(layer.partition.grad, received)
-        for layer in self.layers:
-            layer.partition.grad /= self.world_size  # each rank's loss is the mean of its slice
-
-    def step(self):
-        """AdamW on this rank's partitions; stages 1 and 2 then all-gather the parameters."""
-        self.optimizer.step()
-        if self.stage < 3:
-            for layer in self.layers:
-                buffer = mpi_buffer(layer.whole)
-                self.comm.Allgather(MPI.IN_PLACE, buffer)
-                from_mpi(layer.whole, buffer)
-
-    # --- stage 3: gather a layer just before it is needed, free it right after ---------------
-    def gather(self, i):
-        """Start the all-gather of layer i's parameters into its whole vector, unless there."""
-        layer = self.layers[i]
-        if layer.whole.untyped_storage().nbytes() or layer.request is not None:
-            return
-        layer.whole.untyped_storage().resize_(layer.padded * layer.whole.element_size())
-        layer.whole[layer.mine] = layer.partition.detach()  # this rank's part; MPI brings the rest
-        layer.buffer = mpi_buffer(layer.whole, nonblocking=True)
-        layer.request = self.comm.Iallgather(MPI.IN_PLACE, layer.buffer)
-        self.gathered_bytes += layer.padded * layer.whole.element_size()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-
-    def wait_gathered(self, i):
-        layer = self.layers[i]
-        self.gather(i)
-        if layer.request is not None:
-            layer.request.Wait()
-            from_mpi(layer.whole, layer.buffer)
-            layer.request = layer.buffer = None
-
-    def release(self, i):
-        self.layers[i].free()
-        self.gathered_bytes -= self.layers[i].padded * self.layers[i].whole.element_size()
-
-    def _before_forward(self, i):
-        self.wait_gathered(i)
-        if i + 1 < len(self.layers):
-            self.gather(i + 1)  # prefetch: the next layer arrives while this one computes
-        self.progress()
-
-    def _after_forward(self, i, out):
-        self.release(i)
-        if out.requires_grad:  # runs once out's gradient is in, before layer i's backward
-            out.register_hook(lambda grad, i=i: self._before_backward(i))
-
-    def _before_backward(self, i):
-        self.wait_gathered(i)
-        if i > 0:
-            self.gather(i - 1)  # prefetch: backward runs the layers in reverse
-        self.progress()
-
-    # --- stages 2 and 3: reduce-scatter each layer's gradients as soon as backward has them --
-    def _grad_ready(self, i):
-        layer = self.layers[i]
-        self.arrived[i] += 1
-        if self.arrived[i] == len(layer.params):
-            flat = mpi_buffer(layer.flat_grad(), nonblocking=True)
-            received = mpi_buffer(layer.partition.grad, nonblocking=True)
-            request = self.comm.Ireduce_scatter_block(flat, received, op=MPI.SUM)
-            self.pending.append((layer, flat, received, request))
-            if self.stage == 3:
-                self.release(i)  # every node of its backward has run: each one fed a gradient
-        self.progress()
-
-    def progress(self):
-        """MPICH moves a non-blocking collective forward only inside MPI calls: poll them all."""
-        for *_, request in self.pending:
-            request.Test()
-        for layer in self.layers:
-            if layer.request is not None:
-                layer.request.Test()
-
-
-class FlatLayer:
-    """A layer's parameters as one flat vector, padded with zeros to a multiple of N. Rank r's
-    partition is elements [r S, (r + 1) S), S = padded / N. The module's parameters become views
-    into `whole`, so an all-gather into `whole` updates them; stage 3 frees `whole` between uses."""
-
-    def __init__(self, module, comm, stage, device):
-        self.params = list(module.parameters())
-        world_size, rank = comm.Get_size(), comm.Get_rank()
-        self.numel = sum(p.numel() for p in self.params)
-        self.padded = -(-self.numel // world_size) * world_size
-        self.size = self.padded // world_size
-        self.mine = slice(rank * self.size, (rank + 1) * self.size)
-        self.whole = torch.zeros(self.padded, device=device)
-        offset = 0
-        for p in self.params:
-            self.whole[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.whole[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        # What the optimizer updates: in stages 1 and 2 a view into the whole vector (the
-        # all-gather after the step then runs in place); in stage 3 all this rank keeps.
-        self.partition = self.whole[self.mine].clone() if stage == 3 else self.whole[self.mine]
-        if stage == 1:  # whole gradients: autograd adds into views of one flat buffer
-            self.grad_whole = torch.zeros(self.padded, device=device)
-            offset = 0
-            for p in self.params:
-                p.grad = self.grad_whole[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-            self.partition.grad = self.grad_whole[:self.size]  # where an in-place reduce-scatter leaves it
-        else:  # stages 2 and 3 keep their partition of the gradients alone
-            self.partition.grad = torch.zeros(self.size, device=device)
-        self.request = None
-        if stage == 3:
-            self.free()
-
-    def flat_grad(self):
-        """This layer's whole gradient as one padded vector; the parameters' .grad are let go."""
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params]
-                         + [self.whole.new_zeros(self.padded - self.numel)])
-        for p in self.params:
-            p.grad = None
-        return flat
-
-    def free(self):
-        """Give back the whole vector's memory. The views (and autograd's saved tensors, views
-        too) keep their shapes, and see the values again once the next gather refills it."""
-        self.whole.untyped_storage().resize_(0)
-
-
-def memory_per_rank(zero):
-    """Bytes of parameters, gradients and optimizer state this rank holds, measured from the
-    tensors themselves (each storage once, padding included), and stage 3's peak of gathered
-    whole layers."""
-    def held(tensors):
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in tensors if t is not None}
-        return sum(n for pointer, n in storages.items() if pointer)
-
-    params = [p for layer in zero.layers for p in layer.params + [layer.partition]]
-    state = [v for s in zero.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    measured = {"parameters": held(params), "gradients": held(t.grad for t in params),
-                "optimizer": held(state), "gathered": zero.peak_gathered_bytes}
-    return {**measured, "total": sum(measured.values())}
-
-
-def memory_formula(zero):
-    """The paper's bytes per rank for this stage, with Psi counting the padding."""
-    sizes, n = [layer.padded for layer in zero.layers], zero.world_size
-    psi, neighbours = sum(sizes), max(a + b for a, b in zip(sizes, sizes[1:]))
-    formula = {"parameters": 4 * psi if zero.stage < 3 else 4 * psi // n,
-               "gradients": 4 * psi if zero.stage == 1 else 4 * psi // n,
-               "optimizer": 8 * psi // n, "gathered": 4 * neighbours if zero.stage == 3 else 0}
-    return {**formula, "total": sum(formula.values())}
-
-
-def whole_parameters(zero, model, comm):
-    """{name: whole tensor} of every parameter, on every rank (stage 3 all-gathers them)."""
-    full = {}
-    for layer in zero.layers:
-        whole = layer.whole
-        if zero.stage == 3:
-            whole = torch.zeros(layer.padded)
-            whole[layer.mine] = layer.partition.detach().cpu()
-            comm.Allgather(MPI.IN_PLACE, whole)
-        offset = 0
-        for p in layer.params:
-            full[p] = whole[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-    return {name: full[p] for name, p in model.named_parameters()}
-
-
 def train_step(model, zero, x, y, timeline):
     with timeline.span("compute", "forward"):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    with timeline.span("compute", "backward"):
-        zero.backward(loss)
+    zero.backward(loss)  # backward, then what the gradient exchange has left to do
     with timeline.span("compute", "optimizer"):
         zero.step()
     return loss.item()
@@ -354,13 +356,10 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
-    weights, so float32 rounding differences between world sizes stay at rounding level.
-    No key bias: q.b_k adds the same number to every score of a query, which the softmax ignores,
-    so its gradient is zero in exact arithmetic and the bias stays at its initial zero. In float32
-    that gradient is rounding noise, which Adam, dividing each gradient by its own size, turns into
-    full steps: summing 4 slices' gradients instead of one batch's moved the key bias by 8e-6 in
-    30 steps and 6e-4 in 100, and every other parameter by less than 1e-6."""
+    """Pre-LayerNorm decoder block (GELU and LayerNorm keep training smooth in the weights). No key
+    bias: the softmax ignores a shift shared by a query's scores, so its gradient is zero exactly and
+    rounding noise in float32, which Adam turns into full steps: summing 4 slices instead of one
+    batch moved it by 6e-4 in 100 steps, every other parameter by less than 1e-6."""
 
     def __init__(self, hidden, heads):
         super().__init__()
@@ -413,11 +412,11 @@ def build_model(args):
     return model
 
 
-def shard_model(args, comm, device):
+def shard_model(args, comm, device, timeline):
     """The full model from the seed on every rank's CPU; ZeRO keeps on the device what this
     stage keeps. Returns the model (its parameters views into ZeRO's flat vectors) and ZeRO."""
     model = build_model(args)
-    return model, ZeRO(model, comm, args.zero_stage, args.lr, device)
+    return model, ZeRO(model, comm, args.zero_stage, args.lr, device, timeline, not args.no_overlap)
 
 
 # -----------------------------------------------------------------------------
@@ -447,24 +446,22 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, device, model, zero, timeline, past=(), config=None):
+def train(args, comm, device, model, zero, timeline, activations, past=(), config=None):
     """The steps after the `past` ones (their global losses, from a checkpoint), each rank on its
-    slice of the batch. Returns this rank's losses of the new steps and their timings."""
+    slice of the batch, `activations` measuring what autograd saves. Returns losses and timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
     per_rank, losses, records = args.batch_size // world_size, [], []
     for step in range(len(past), args.steps):
-        inject_failure(comm, step, model=zero)
         start = time.perf_counter()
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        losses.append(train_step(model, zero, x[mine].to(device), y[mine].to(device), timeline))
+        with activations:
+            losses.append(train_step(model, zero, x[mine].to(device), y[mine].to(device), timeline))
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
             print_progress(comm, args, step, mean_loss, records[-1])
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            shard = zero_shard(zero, list(past) + global_losses(comm, losses))
-            save_checkpoint(comm, args.save, step + 1, shard, config)
+        checkpoint_if_due(comm, args, step, lambda: zero_shard(zero, list(past) + global_losses(comm, losses)), config)
     return losses, records
 
 
@@ -482,33 +479,33 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         check_paths(comm, args)
         run = setup(comm, args)
         counted = CountedComm(comm, run.timeline)
-        model, zero = shard_model(args, counted, run.device)
+        model, zero = shard_model(args, counted, run.device, run.timeline)
+        activations = ActivationMeter(zero)
         config = {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "seq_len": args.seq_len, "vocab": VOCAB}  # what the flat vectors depend on
-        past, resumed = [], None
-        if args.resume:
-            resumed, past = resume(comm, args, config, zero)
+        resumed, past = resume(comm, args, config, zero) if args.resume else (None, [])
         print_header(comm, args, run, model, zero, resumed)
-        losses, records = train(args, comm, run.device, model, zero, run.timeline, past, config)
+        run.memory.reset()  # the peak of training alone: not the model's building, nor the check
+        losses, records = train(args, comm, run.device, model, zero, run.timeline, activations, past, config)
+        run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
     losses = past + global_losses(comm, losses)
-    every = comm.allgather(memory_per_rank(zero))  # the same on every rank: so is S
-    memory = {kind: max(m[kind] for m in every) for kind in every[0]}
     diff = check(comm, args, losses, zero, model) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, zero, losses, records, counted, memory, diff)
+    return report(comm, args, run, zero, losses, records, counted, activations, diff)
 
 
 # =============================================================================
-# You may stop reading here: the strategy is all above. Below is the machinery that every
-# strategy file repeats in the same order and the same words: the check against single-process
-# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# You may stop reading here: the strategy is all above. Below, first this file's own machinery
+# (the check against single-process training, the report, its arguments and checkpoints), then
+# the machinery that every strategy file repeats word for word: the summary, checkpoints and
+# signals, counters, timeline and memory, device and MPI setup, arguments.
 # =============================================================================
 
-# --- Check against single-process training -----------------------------------
+# --- This file's own: the check against single-process training, the report, arguments, checkpoints
 def reference_training(args):
     """The same steps in one plain process on the CPU: the plain model, AdamW, the whole batch."""
     model = build_model(args)
@@ -534,7 +531,15 @@ def check(comm, args, losses, zero, model):
     1e-3; at lr 3e-3 by 2e-2 after 50 (a loss spike at step 35 turned rounding into chaos). With
     eps 1e-8 one weight in 200k moved by 5e-5 in the first step (a step changes by up to
     lr x delta / eps for a change delta of its gradient), hence EPS 1e-6."""
-    state, diff = whole_parameters(zero, model, comm), None
+    full = {}
+    for layer in zero.layers:
+        whole = layer.whole.cpu()
+        if zero.stage == 3:
+            whole = torch.zeros(layer.padded)
+            whole[layer.mine] = layer.partition.detach().cpu()
+            comm.Allgather(MPI.IN_PLACE, whole)
+        full.update((p, view.clone()) for p, view in zip(layer.params, layer.views(whole)))
+    state, diff = {name: full[p] for name, p in model.named_parameters()}, None
     if comm.Get_rank() == 0:
         diff = max_difference(losses, state, *reference_training(args))
     request = comm.Ibarrier()
@@ -542,15 +547,70 @@ def check(comm, args, losses, zero, model):
         time.sleep(POLL_S)  # the other ranks leave the cores to rank 0, which trains the reference
     return comm.bcast(diff, root=0)
 
-def max_difference(losses, state, ref_losses, ref_model):
-    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
-    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
-    ref_state = ref_model.state_dict()
-    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
-        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
-    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+class ActivationMeter(torch.autograd.graph.saved_tensors_hooks):
+    """The activations, measured: `with meter:` around a step counts each tensor autograd saves
+    for backward, by storage, from the moment it is saved until autograd lets go of it; the
+    layers' whole parameter vectors left out (parameters, gathered layers). peak: the most at once."""
 
-# --- Report: header, progress, summary, --json, --trace ----------------------
+    def __init__(self, zero):
+        self.zero, self.live, self.peak, self.refs = zero, 0, 0, collections.Counter()
+        super().__init__(self.pack, lambda saved: saved)
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        pointer, size = storage.data_ptr(), storage.nbytes()
+        if any(pointer == layer.whole.untyped_storage().data_ptr() for layer in self.zero.layers):
+            return t
+        saved = t.detach()  # what autograd keeps: its finalizer runs when autograd lets go
+        self.refs[pointer] += 1
+        self.live += size if self.refs[pointer] == 1 else 0
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(saved, self.release, pointer, size)
+        return saved
+
+    def release(self, pointer, size):
+        self.refs[pointer] -= 1
+        if not self.refs[pointer]:
+            del self.refs[pointer]
+            self.live -= size
+
+def memory_formula(zero, activations):
+    """The docstring's bytes per rank at the peak of a step, Psi counting the padding: the model
+    states, the transient whole layers (W each: gathered; whole gradients) and the activations
+    as measured. Without overlap stages 2 and 3 hold every whole gradient until backward ends,
+    and stage 3 gathers one layer at a time."""
+    sizes, n, stage = [layer.padded for layer in zero.layers], zero.world_size, zero.stage
+    psi, w = sum(sizes), 4 * max(a + b for a, b in zip(sizes, sizes[1:]))
+    formula = {"parameters": 4 * psi if stage < 3 else 4 * psi // n,
+               "gradients": 4 * psi if stage == 1 else 4 * psi // n, "optimizer": 8 * psi // n,
+               "gathered": 0 if stage < 3 else w if zero.overlap else 4 * max(sizes),
+               "whole_gradients": 0 if stage == 1 else w if zero.overlap else 4 * psi,
+               "activations": activations}
+    return {**formula, "total": sum(formula.values())}
+
+def live_tensor_bytes(zero):
+    """Bytes of the parameters, gradients and optimizer state alive after the last step, counted
+    from the tensors (each storage once, padding included): what persists between steps."""
+    def held(tensors):
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+        return sum(n for pointer, n in storages.items() if pointer)
+    params = [p for layer in zero.layers for p in layer.params + [layer.partition]]
+    state = [v for s in zero.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    live = {"parameters": held(params), "gradients": held(t.grad for t in params), "optimizer": held(state)}
+    return {**live, "total": sum(live.values())}
+
+def overlap_counts(zero, events):
+    """[started in time, total] in the last step's spans. Stages 2 and 3: reduce-scatters begun
+    inside backward. Stage 3: layers whose gather began before the hook that opens the layer's
+    forward (or backward) did, as the prefetch promises for all but the first of each pass."""
+    counts = {"reduce_scatters_started_in_backward": started_within(events, "Ireduce_scatter_block", "backward")}
+    for phase in ("forward", "backward") if zero.stage == 3 else ():
+        begin, end = next((b, e) for name, _, b, e in events if name == phase)
+        gathers = {name.split()[1]: b for name, _, b, _ in events if name.startswith("gather ") and begin <= b <= end}
+        layers = {name.split()[2]: b for name, _, b, _ in events if name.startswith(f"before {phase} ")}
+        counts[f"prefetched_{phase}"] = [sum(gathers.get(i, b) < b for i, b in layers.items()), len(layers)]
+    return counts if zero.stage > 1 else {}
+
 def print_header(comm, args, run, model, zero, resumed):
     params, padded = sum(p.numel() for p in model.parameters()), sum(layer.padded for layer in zero.layers)
     if resumed:
@@ -562,67 +622,138 @@ def print_header(comm, args, run, model, zero, resumed):
            f"(each layer a multiple of {comm.Get_size()}); this rank owns {padded // comm.Get_size():,}",
            f"global batch {args.batch_size} x {args.seq_len} characters = {comm.Get_size()} ranks x "
            f"{args.batch_size // comm.Get_size()} | AdamW, lr {args.lr:g}, eps {EPS:g}, "
-           f"weight decay {WEIGHT_DECAY:g}")
+           f"weight decay {WEIGHT_DECAY:g}" + ("" if args.zero_stage == 1 else " | exchange overlapped with compute"
+                                               if not args.no_overlap else " | no overlap (--no-overlap)"))
 
-def report(comm, args, run, zero, losses, records, counted, memory, diff):
-    """The summary, the check's verdict and --json; returns the exit status."""
+def report(comm, args, run, zero, losses, records, counted, activations, diff):
+    """The summary lines and JSON keys of ZeRO: traffic against its formula, the measured peak
+    memory beside the formula, the live tensors, the overlap; finish() prints and returns."""
     world_size, steps_run, stage = comm.Get_size(), max(1, len(records)), args.zero_stage
     calls = {k: v / steps_run for k, v in counted.calls.items()}
     volume = {k: v / steps_run for k, v in counted.bytes.items()}
-    slowest = step_summary(comm, records)
     psi = sum(layer.padded for layer in zero.layers)
     vectors = 2 if stage < 3 else 3  # reduce-scatter + all-gather; stage 3 gathers twice
-    formula, ring = memory_formula(zero), vectors * (world_size - 1) / world_size * 4 * psi
-    print0(comm, f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is "
-                 f"ln {VOCAB} = {math.log(VOCAB):.4f})", summary_line(slowest),
-           "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
-           + f"; formula {vectors} x 4 Psi = {vectors * 4 * psi:,} bytes (Psi = {psi:,} with padding); "
-           f"a ring moves (N-1)/N of that per rank, {ring:,.0f}: "
-           + ("what an allreduce of the gradients moves" if stage < 3 else "1.5 x an allreduce"),
-           "memory per rank in bytes, measured (formula): "
-           + " | ".join(f"{k} {memory[k]:,} ({formula[k]:,})" for k in formula)
-           + f"; plain data parallelism: 16 Psi = {16 * psi:,}")
-    if run.device.type == "cuda":
-        print0(comm, f"CUDA peak allocated on rank 0: {torch.cuda.max_memory_allocated(run.device):,} bytes")
-    ok = verdict(comm, diff, "losses, parameters")
-    if args.json:
-        print0(comm, json.dumps({
-            **house_keys(comm, args, run, losses, slowest, diff),
-            "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
-            "zero_stage": stage, "param_count": sum(layer.numel for layer in zero.layers),
-            "padded_param_count": psi, "memory_bytes_per_rank": memory, "memory_bytes_formula": formula,
-            "comm_bytes_formula": vectors * 4 * psi, "ring_bytes_per_rank": ring,
-            "collectives_by_kind": calls}))
-    return 0 if ok else 1
+    ring = vectors * (world_size - 1) / world_size * 4 * psi
+    every = comm.allgather(live_tensor_bytes(zero))  # the same on every rank: so is S
+    live = {kind: max(m[kind] for m in every) for kind in every[0]}
+    formula = memory_formula(zero, max(comm.allgather(activations.peak)))
+    peak = max(comm.allgather(run.memory.bytes))
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
+             f"{math.log(VOCAB):.4f})",
+             "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
+             + f"; formula {vectors} x 4 Psi = {vectors * 4 * psi:,} bytes (Psi = {psi:,} with padding); "
+             f"a ring moves (N-1)/N of that per rank, {ring:,.0f}: "
+             + ("what an allreduce of the gradients moves" if stage < 3 else "1.5 x an allreduce"),
+             f"memory per rank at the peak of a step: measured {peak / 1e6:.2f} MB (the largest rank), formula "
+             f"{formula['total'] / 1e6:.2f} MB = " + " + ".join(f"{k} {v / 1e6:.2f}" for k, v in formula.items()
+                                                                if k != "total")
+             + f" (activations measured); plain data parallelism: 16 Psi + activations = "
+             f"{(16 * psi + formula['activations']) / 1e6:.2f} MB",
+             "live tensors after the last step: " + " | ".join(f"{k} {v:,}" for k, v in live.items()) + " bytes"]
+    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+        "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
+        "zero_stage": stage, "param_count": sum(layer.numel for layer in zero.layers),
+        "padded_param_count": psi, "memory_bytes_formula": formula, "live_bytes_after_last_step": live,
+        "comm_bytes_formula": vectors * 4 * psi, "ring_bytes_per_rank": ring, "collectives_by_kind": calls,
+        "overlap": overlap_counts(zero, run.timeline.step_events)})
 
+def parse_args(argv, world_size):
+    p = common_arguments("Sharded data parallelism over MPI (ZeRO 1, 2, 3): a small GPT on Python source.",
+                         steps=50, batch_size=24, lr=1e-3, log_every=10)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
+                   help="1: optimizer state sharded; 2: and gradients; 3: and parameters")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="baseline: reduce-scatter after backward (stages 2, 3), no prefetch (stage 3)")
+    args = check_common(p.parse_args(argv))
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
+                          f"size; use a multiple of {args.heads}, e.g. {16 * args.heads}")
+    if args.batch_size % world_size:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {world_size} ranks; use a "
+                          f"multiple of {world_size}, e.g. {world_size}, {2 * world_size}, {3 * world_size}")
+    if args.seq_len >= len(load_text()):
+        raise ConfigError(f"--seq-len {args.seq_len} must be shorter than the text ({len(load_text())})")
+    return args
+
+def zero_shard(zero, losses):
+    """What each rank saves: its partition of every layer's parameters and Adam moments (copies:
+    a view would save the whole vector), each layer's unpadded size, and the losses so far."""
+    layers = []
+    for layer in zero.layers:
+        state = zero.optimizer.state[layer.partition]
+        layers.append({"params": layer.partition.detach().cpu().clone(), "numel": layer.numel,
+                       **{key: state[key].cpu().clone() for key in ("exp_avg", "exp_avg_sq")}})
+    return {"layers": layers, "adam_step": zero.optimizer.state[zero.layers[0].partition]["step"].item(),
+            "losses": list(losses)}
+
+def resume(comm, args, config, zero):
+    """Read every rank's shard of the latest checkpoint, whatever the world size that wrote it, and
+    re-cut each layer's vectors for this one: put back whole, padded for N, this rank's partition
+    taken. Returns the manifest and the losses so far (None and none: no checkpoint yet)."""
+    manifest, first = load_checkpoint(comm, args.save, config, lambda m: "rank-0.pt", args.steps,
+                                      same_world_size=False)
+    if first is None:
+        return None, []
+    shards = [first] + [load_checkpoint(comm, args.save, config, lambda m, r=r: f"rank-{r}.pt", args.steps,
+                                        same_world_size=False)[1] for r in range(1, manifest["world_size"])]
+    for i, layer in enumerate(zero.layers):
+        def whole(key):
+            flat = torch.cat([shard["layers"][i][key] for shard in shards])[:layer.numel]
+            return torch.cat([flat, flat.new_zeros(layer.padded - layer.numel)]).to(layer.partition.device)
+        with torch.no_grad():
+            params = whole("params")
+            layer.partition.copy_(params[layer.mine])
+            if zero.stage < 3:
+                layer.whole.copy_(params)
+        zero.optimizer.state[layer.partition] = {"step": torch.tensor(float(shards[0]["adam_step"])),
+                                                 "exp_avg": whole("exp_avg")[layer.mine].clone(),
+                                                 "exp_avg_sq": whole("exp_avg_sq")[layer.mine].clone()}
+    return manifest, shards[0]["losses"]
+
+# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
+    ref_state = ref_model.state_dict()
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+
+# --- Report: progress, the summary and --json, --trace -----------------------
 def print_progress(comm, args, step, loss, record):
     print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
                  f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
-def summary_line(slowest):
-    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
-            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
-
-def verdict(comm, diff, compared):
-    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+def finish(comm, args, run, losses, records, diff, compared, lines, keys):
+    """The summary: the file's own `lines`, the split of a step (medians over the steps after the
+    first, of the slowest rank), the peak memory each rank measured, the overlap counts of the
+    last step (keys['overlap']) and the check's verdict; then --json, the house keys and the
+    file's `keys`. Returns the exit status: 1 when the check exceeds the tolerance."""
+    medians = [{k: statistics.median(r[k] for r in (mine[1:] or mine)) for k in mine[0]}
+               for mine in comm.allgather(records)]
+    slowest = max(medians, key=lambda m: m["step_s"])
+    peaks = comm.allgather(run.memory.bytes)
     ok = diff is None or diff <= TOLERANCE
-    if diff is not None:
-        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
-                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
-    return ok
-
-def house_keys(comm, args, run, losses, slowest, diff):
-    """The JSON keys every strategy file reports."""
-    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+    overlap = keys.get("overlap") or {}
+    print0(comm, *lines,
+           f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+           f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
+           f"peak memory per rank ({run.memory.what}): {' | '.join(f'{p / 1e6:.2f}' for p in peaks)} MB",
+           *(["overlap, last step (started in time / all): "
+              + ", ".join(f"{name} {n}/{total}" for name, (n, total) in overlap.items())] if overlap else []),
+           *([f"check against single-process training: max |diff| {diff:.2e} ({compared}; tolerance "
+              f"{TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}"] if diff is not None else []))
+    if args.json:
+        print0(comm, json.dumps({
+            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
             "steps": args.steps, "losses": losses, "final_loss": losses[-1],
-            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
-            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
-
-def step_summary(comm, records):
-    """Medians over steps after the first, of the slowest rank (by median step time)."""
-    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
-               for rank_records in comm.allgather(records)]
-    return max(medians, key=lambda m: m["step_s"])
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"], "comm_s": slowest["comm_s"],
+            "idle_s": slowest["idle_s"], "check_max_abs_diff": diff, "peak_memory_bytes_per_rank": peaks, **keys}))
+    return 0 if ok else 1
 
 def write_trace(comm, timeline, path):
     """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
@@ -638,16 +769,28 @@ def print0(comm, *lines, file=None):
     if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
         print(*lines, sep="\n", file=file or sys.stdout, flush=True)
 
-# --- Checkpoints: a folder appears whole or not at all ------------------------
+# --- Checkpoints: a folder appears whole or not at all; a signal stops at a step's end
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a batch system's time limit, or its warning
+stop_requested = []  # the signals this rank received
+
+def checkpoint_if_due(comm, args, step, make_shard, config):
+    """At the end of `step`: save when --save-every or the last step says so, or when any rank got
+    SIGTERM or SIGUSR1 (the ranks agree on it here, so all stop after the same step); after a
+    signal's save, end the job with status 0. make_shard() gives this rank's shard (collective)."""
+    stop = comm.allreduce(bool(stop_requested), op=MPI.LOR) and step + 1 < args.steps
+    if args.save and (stop or step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+        save_checkpoint(comm, args.save, step + 1, make_shard(), config)
+    if stop:
+        print0(comm, f"stopped by a signal after step {step + 1} of {args.steps}: " +
+               (f"checkpoint saved in {args.save}; rerun with --resume to continue" if args.save
+                else "nothing saved (no --save)"))
+        sys.exit(0)
+
 def checkpoints(root):
     """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
     names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
                    if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
     return [os.path.join(root, n) for n in names]
-
-def sha256(path):
-    with open(path, "rb") as stream:
-        return hashlib.sha256(stream.read()).hexdigest()
 
 def write_durably(path, data):
     with open(path, "wb") as stream:
@@ -667,7 +810,6 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
     comm.Barrier()
     try:
         os.makedirs(tmp, exist_ok=True)
-        inject_failure(comm, step, "save")
         if shard is not None:
             name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
             torch.save(shard, stream)
@@ -700,14 +842,15 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
-    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
-    Any problem on any rank is a ConfigError on every rank."""
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified; (None,
+    None) when root holds none yet (a batch job's first run), which rank 0 says. Any problem on
+    any rank is a ConfigError on every rank."""
     error = manifest = shard = None
     try:
         found = checkpoints(root)
         if not found:
-            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
-                              f"start without --resume to create one")
+            print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
+            return None, None
         path = found[-1]
         with open(os.path.join(path, "manifest.json")) as stream:
             manifest = json.load(stream)
@@ -722,7 +865,9 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         if manifest["config"] != config:
             raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
         name = shard_name(manifest)
-        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+        with open(os.path.join(path, name), "rb") as stream:
+            digest = hashlib.sha256(stream.read()).hexdigest()
+        if digest != manifest["files"][name]:
             raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
         shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
     except ConfigError as e:
@@ -734,40 +879,7 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         raise ConfigError(errors[0])
     return manifest, shard
 
-def zero_shard(zero, losses):
-    """What each rank saves: its partition of every layer's parameters and Adam moments (copies:
-    a view would save the whole vector), each layer's unpadded size, and the losses so far."""
-    layers = []
-    for layer in zero.layers:
-        state = zero.optimizer.state[layer.partition]
-        layers.append({"params": layer.partition.detach().cpu().clone(), "numel": layer.numel,
-                       **{key: state[key].cpu().clone() for key in ("exp_avg", "exp_avg_sq")}})
-    return {"layers": layers, "adam_step": zero.optimizer.state[zero.layers[0].partition]["step"].item(),
-            "losses": list(losses)}
-
-def resume(comm, args, config, zero):
-    """Read every rank's shard of the latest checkpoint, whatever the world size that wrote it, and
-    re-cut each layer's vectors for this one: put back whole, padded for N, this rank's partition
-    taken. Returns the manifest and the losses so far."""
-    manifest, first = load_checkpoint(comm, args.save, config, lambda m: "rank-0.pt", args.steps,
-                                      same_world_size=False)
-    shards = [first] + [load_checkpoint(comm, args.save, config, lambda m, r=r: f"rank-{r}.pt", args.steps,
-                                        same_world_size=False)[1] for r in range(1, manifest["world_size"])]
-    for i, layer in enumerate(zero.layers):
-        def whole(key):
-            flat = torch.cat([shard["layers"][i][key] for shard in shards])[:layer.numel]
-            return torch.cat([flat, flat.new_zeros(layer.padded - layer.numel)]).to(layer.partition.device)
-        with torch.no_grad():
-            params = whole("params")
-            layer.partition.copy_(params[layer.mine])
-            if zero.stage < 3:
-                layer.whole.copy_(params)
-        zero.optimizer.state[layer.partition] = {"step": torch.tensor(float(shards[0]["adam_step"])),
-                                                 "exp_avg": whole("exp_avg")[layer.mine].clone(),
-                                                 "exp_avg_sq": whole("exp_avg_sq")[layer.mine].clone()}
-    return manifest, shards[0]["losses"]
-
-# --- Counters and timeline: measured around the strategy's own MPI calls -----
+# --- Counters, timeline and memory: measured around the strategy's own work ---
 class Timeline:
     """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
     own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
@@ -777,6 +889,7 @@ class Timeline:
         self.cuda = device.type == "cuda"
         self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
         self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+        self.step_events = []  # the events of the last recorded step
 
     def _mark(self):
         if not self.cuda:
@@ -804,6 +917,7 @@ class Timeline:
         if self.cuda:
             torch.cuda.synchronize()  # once a step: every event of the step has happened
         record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+        first = len(self.events)
 
         def own_time(name, cat, start_mark, end_mark, children):
             begin, end = self._seconds(start_mark), self._seconds(end_mark)
@@ -813,18 +927,27 @@ class Timeline:
 
         for span in self.closed:
             own_time(*span)
-        self.closed = []
+        self.closed, self.step_events = [], self.events[first:]
         record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
         return record
 
+def started_within(events, exchange, compute):
+    """[n, total]: of the spans named `exchange` (a name or a tuple of names), how many began
+    while a span named `compute` (likewise) was running: started in time to hide behind it."""
+    names = lambda x: (x,) if isinstance(x, str) else tuple(x)
+    running = [(begin, end) for name, _, begin, end in events if name in names(compute)]
+    starts = [begin for name, _, begin, _ in events if name in names(exchange)]
+    return [sum(any(lo <= s < hi for lo, hi in running) for s in starts), len(starts)]
+
 class CountedComm:
     """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
-    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
-    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
-    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+    way the buffer methods are counted (calls, bytes of the first buffer, by name) and timed as
+    'comm' spans. Their requests' Wait polls with short sleeps (MPICH's Wait spins on the core of
+    a rank that computes): a point-to-point wait is the peer's lateness (idle), a collective's comm."""
 
     COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
-               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
+               "Allgather", "Iallgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+               "Ireduce_scatter_block", "Alltoall", "Alltoallv", "Ialltoallv"}
 
     def __init__(self, comm, timeline):
         self.comm, self.timeline = comm, timeline
@@ -862,31 +985,95 @@ class CountedRequest:
             while not self.request.Test():
                 time.sleep(POLL_S)
 
+class PeakMemory:
+    """The most memory this rank held while training, less what it held before the model was
+    built. CUDA: the allocator's peak. CPU: the peak resident set (VmHWM) less its file-backed
+    pages (torch's code, loaded as kernels are first used), which means something because
+    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process."""
+
+    def __init__(self, device):  # before the model is built
+        __import__("torch._dynamo")  # torch's first optimizer imports it: 60+ MB of Python, not training
+        self.cuda = device.type == "cuda"
+        self.what = "CUDA allocator's peak" if self.cuda else "peak resident set less code, less the process before the model"
+        self.baseline = 0 if self.cuda else proc_status("VmRSS") - proc_status("RssFile")
+
+    def reset(self):
+        """From here on: the peak of training, not that of building the model."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # Linux: the peak resident set starts again from the current one
+
+    def stop(self):
+        """The peak until now: the check and the report that follow training do not count."""
+        self.bytes = (torch.cuda.max_memory_allocated() if self.cuda else
+                      max(0, proc_status("VmHWM") - proc_status("RssFile") - self.baseline))
+
+def proc_status(key):
+    """A size from /proc/self/status in bytes (Linux; 0 elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) * 1024 for line in status if line.startswith(key + ":")), 0)
+    return 0
+
 # --- Device and MPI setup -----------------------------------------------------
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+def launcher_local_rank():
+    """This rank's index on its node, as the launcher tells it (Open MPI, Slurm, MPICH, MVAPICH)."""
+    return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+
+def start_mpi():
+    """Before MPI starts: give freed memory back to the system at once (glibc otherwise keeps
+    freed blocks of up to 32 MB, and the resident set would never fall), and choose this rank's
+    GPU, since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI
+    with threads: on a GPU, autograd calls MPI from a thread of its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
+    local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
+    if local is not None and not cpu and torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not MPI.Is_initialized():  # the level mpi4py.rc.thread_level asks for (MPI4PY_RC_THREAD_LEVEL)
+        MPI.Init_thread(getattr(MPI, "THREAD_" + mpi4py.rc.thread_level.upper()))
+
 def setup(comm, args):
-    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
+    signal handlers, and the header's facts."""
     global CUDA_AWARE
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
+    launcher = launcher_local_rank()
     gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    notes = [f"note: the launcher says local rank {launcher}, the node's ranks say {local_rank}"] if launcher not in (None, local_rank) else []
     if args.device == "cuda" or (args.device == "auto" and gpus):
-        device = torch.device("cuda", local_rank % gpus)
+        device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
         CUDA_AWARE = mpi_cuda_aware(comm)
-        if args.check:  # float32 against float32: no TF32 in the run or in the reference
-            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
+            try:
+                torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+            except AttributeError:  # torch before 2.9
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
         transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
-        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
+        uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
+        if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
+            notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
     else:
         device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
         torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
-        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+        if local_size > cores:
+            notes.append(f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns")
+    node.Free()
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda number, frame: stop_requested.append(number))
     comm.Barrier()  # the timeline's zero, about the same moment on every rank
     header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
-              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
-    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
+              f"CUDA buffers: {transport}"] + notes
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
     """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
@@ -922,29 +1109,13 @@ def check_thread_level(provided):
     if provided < MPI.THREAD_SERIALIZED:
         raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
                           f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
-                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
+                          f"keep mpi4py.rc.thread_level (MPI4PY_RC_THREAD_LEVEL) at its default, 'multiple'")
 
 def mpi_library():
     """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
     text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
     return text.strip().splitlines()[0].strip()
 
-def inject_failure(comm, step, during="step", model=None):
-    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
-    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
-    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
-    spec = os.environ.get("FAIL_AT", "")
-    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
-    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
-        return
-    if how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if how == "oserror":
-        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
-    if how != "nudge":
-        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
-    with torch.no_grad():
-        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
 
 # --- Arguments, and the paths a run will write, checked before anything is built
 class ConfigError(Exception):
@@ -969,13 +1140,11 @@ class Parser(argparse.ArgumentParser):
 def checked(kind, ok, must):
     """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        value = kind(text)  # a ValueError is argparse's own "invalid int value: 'x'"
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
         return value
+    parse.__name__ = kind.__name__
     return parse
 
 COUNT = checked(int, lambda v: v > 0, "a positive integer")
@@ -1008,25 +1177,6 @@ def check_common(args):
         raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
     return args
 
-def parse_args(argv, world_size):
-    p = common_arguments("Sharded data parallelism over MPI (ZeRO 1, 2, 3): a small GPT on Python source.",
-                         steps=50, batch_size=24, lr=1e-3, log_every=10)
-    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
-    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
-    p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
-                   help="1: optimizer state sharded; 2: and gradients; 3: and parameters")
-    args = check_common(p.parse_args(argv))
-    if args.hidden % args.heads:
-        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
-                          f"size; use a multiple of {args.heads}, e.g. {16 * args.heads}")
-    if args.batch_size % world_size:
-        raise ConfigError(f"--batch-size {args.batch_size} does not split into {world_size} ranks; use a "
-                          f"multiple of {world_size}, e.g. {world_size}, {2 * world_size}, {3 * world_size}")
-    if args.seq_len >= len(load_text()):
-        raise ConfigError(f"--seq-len {args.seq_len} must be shorter than the text ({len(load_text())})")
-    return args
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
@@ -1061,5 +1211,6 @@ def abort_on_exception(kind, value, tb):
     MPI.COMM_WORLD.Abort(1)
 
 if __name__ == "__main__":
+    start_mpi()
     sys.excepthook = abort_on_exception
     sys.exit(main())

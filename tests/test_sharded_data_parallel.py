@@ -1,7 +1,7 @@
 """sharded_data_parallel.py: ZeRO's pieces on sub-communicators of sizes 1 to 4, then the script
 as launched."""
-import json
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -20,10 +20,14 @@ STAGES = [1, 2, 3]
 def run_steps(comm, argv):
     """Train on comm as the script does; returns the global losses, the model and ZeRO."""
     args = zp.parse_args(argv, comm.Get_size())
-    counted = zp.CountedComm(comm, zp.Timeline(CPU))
-    model, zero = zp.shard_model(args, counted, CPU)
-    losses, _ = zp.train(args, comm, CPU, model, zero, counted.timeline)
+    timeline = zp.Timeline(CPU)
+    model, zero = zp.shard_model(args, zp.CountedComm(comm, timeline), CPU, timeline)
+    losses, _ = zp.train(args, comm, CPU, model, zero, timeline, zp.ActivationMeter(zero))
     return zp.global_losses(comm, losses), model, zero
+
+
+def sharded(model, comm, stage, args, overlap=True):
+    return zp.ZeRO(model, comm, stage, args.lr, CPU, zp.Timeline(CPU), overlap)
 
 
 @pytest.mark.mpi
@@ -36,7 +40,7 @@ def test_partitions_cover_every_layer_and_only_the_padding_is_added(size, stage)
             args = zp.parse_args(TINY + ["--zero-stage", str(stage)], size)
             model = zp.build_model(args)
             expected = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in model.layers]
-            zero = zp.ZeRO(model, comm, stage, args.lr, CPU)
+            zero = sharded(model, comm, stage, args)
             for layer, flat in zip(zero.layers, expected):
                 gathered = torch.empty(layer.padded)
                 comm.Allgather(layer.partition.detach(), gathered)
@@ -47,6 +51,7 @@ def test_partitions_cover_every_layer_and_only_the_padding_is_added(size, stage)
                 padded_somewhere = padded_somewhere or layer.padded != layer.numel
                 # stage 3 keeps no whole layer between uses; stages 1 and 2 keep every one
                 ok = ok and (layer.whole.untyped_storage().nbytes() == 0) == (stage == 3)
+                ok = ok and layer.state == ("free" if stage == 3 else "whole")
         assert agree(ok)
         assert agree(comm is None or padded_somewhere == (size in (3, 4)))
 
@@ -54,9 +59,14 @@ def test_partitions_cover_every_layer_and_only_the_padding_is_added(size, stage)
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_each_rank_gets_the_mean_gradient_of_its_partition(size, stage):
+@pytest.mark.parametrize("staged", [False, True])
+def test_each_rank_gets_the_mean_gradient_of_its_partition(size, stage, staged, monkeypatch):
     """AdamW hides a gradient scaled by a constant (it divides by the gradient's own size), so the
-    check against one process cannot see a missing 1/N: this test looks at the gradients."""
+    check against one process cannot see a missing 1/N: this test looks at the gradients. Staged:
+    every buffer handed to MPI is a copy, as on a GPU whose MPI cannot read GPU memory, so a
+    result that is not copied back is missing."""
+    if staged:
+        monkeypatch.setattr(zp, "mpi_buffer", lambda t, nonblocking=False: t.clone())
     with sub_comm(size) as comm:
         diff = 0.0
         if comm is not None:
@@ -68,7 +78,7 @@ def test_each_rank_gets_the_mean_gradient_of_its_partition(size, stage):
                 xs, ys = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
                 (F.cross_entropy(plain(xs).flatten(0, 1), ys.flatten()) / size).backward()
             model = zp.build_model(args)
-            zero = zp.ZeRO(model, comm, stage, args.lr, CPU)
+            zero = sharded(model, comm, stage, args)
             rank = comm.Get_rank()
             loss = F.cross_entropy(model(x[rank * per:(rank + 1) * per]).flatten(0, 1),
                                    y[rank * per:(rank + 1) * per].flatten())
@@ -85,24 +95,54 @@ def test_each_rank_gets_the_mean_gradient_of_its_partition(size, stage):
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_training_matches_one_process_and_memory_and_traffic_match_the_formulas(size, stage):
+def test_training_matches_one_process_and_traffic_matches_the_formula(size, stage):
     with sub_comm(size) as comm:
         diff, ok = 0.0, True
         if comm is not None:
             steps, argv = 3, TINY + ["--steps", "3", "--zero-stage", str(stage)]
             losses, model, zero = run_steps(comm, argv)
-            measured, formula = zp.memory_per_rank(zero), zp.memory_formula(zero)
-            for kind in ("parameters", "gradients", "optimizer", "total"):
-                ok = ok and abs(measured[kind] - formula[kind]) <= 0.05 * formula[kind]
-            # Adam's step counter is the only thing beyond the formula: 4 bytes a layer
-            ok = ok and measured["optimizer"] == formula["optimizer"] + 4 * len(zero.layers)
-            ok = ok and measured["gathered"] == formula["gathered"]
+            live, formula = zp.live_tensor_bytes(zero), zp.memory_formula(zero, 0)
+            # between steps a rank holds the formula's states and nothing else, but Adam's step
+            # counters (4 bytes a layer): stages 2 and 3 no whole gradient
+            ok = ok and all(live[k] == formula[k] for k in ("parameters", "gradients"))
+            ok = ok and live["optimizer"] == formula["optimizer"] + 4 * len(zero.layers)
             psi, vectors = sum(layer.padded for layer in zero.layers), 2 if stage < 3 else 3
             ok = ok and sum(zero.comm.bytes.values()) == steps * vectors * 4 * psi
             ok = ok and sum(zero.comm.calls.values()) == steps * vectors * len(zero.layers)
             diff = zp.check(comm, zp.parse_args(argv, size), losses, zero, model)
         assert agree(ok)
         assert max_everywhere(diff) <= zp.TOLERANCE
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("stage, overlap", [(2, True), (3, True), (3, False)])
+def test_whole_gradients_live_from_their_first_gradient_to_their_reduce_scatter(size, stage, overlap):
+    """Stages 2 and 3 hold a layer's whole gradient from its first gradient until its
+    reduce-scatter completes: two layers at most with overlap (the one backward fills, the one
+    in flight), all 5 without (they wait for backward's end), and none once backward returns."""
+    with sub_comm(size) as comm:
+        ok = True
+        if comm is not None:
+            args = zp.parse_args(TINY + ["--layers", "3"], size)
+            model = zp.build_model(args)
+            zero = sharded(model, comm, stage, args, overlap)
+            refs, held, arriving = [], [], zero._grad_arriving
+
+            def counting(i):  # each whole gradient allocated, and how many are alive
+                before = zero.layers[i].grad_whole
+                arriving(i)
+                if zero.layers[i].grad_whole is not before:
+                    refs.append(weakref.ref(zero.layers[i].grad_whole))
+                held.append(sum(r() is not None for r in refs))
+            zero._grad_arriving = counting
+            x, y = zp.make_batch(args.seed, 0, args.batch_size // size, args.seq_len)
+            for step in range(2):
+                zero.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+                ok = ok and len(refs) == 5 * (step + 1) and not any(r() is not None for r in refs)
+                zero.step()
+            ok = ok and (max(held) <= 2 if overlap else max(held) == 5)
+        assert agree(ok)
 
 
 @pytest.mark.parametrize("argv, world, words", [
@@ -124,17 +164,53 @@ SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "
 
 
 @pytest.mark.e2e
-def test_stage_3_trains_and_reports_memory_within_5_percent_of_the_formula():
-    result = last_json(launch("sharded_data_parallel.py", 4, *SMALL, "--steps", "20", "--json",
-                              "--zero-stage", "3"))
-    assert result["zero_stage"] == 3 and result["world_size"] == 4
+def test_stage_3_trains_prefetches_and_overlaps_with_every_buffer_staged():
+    """-np 2, 4 layers: every gather but the first of each pass started before its layer began,
+    every reduce-scatter inside backward. STAGE_ALL=1 (tests/inject.py): every buffer handed to
+    MPI is a host copy, as on a GPU with an MPI that cannot read GPU memory, so every copy back
+    runs and the check shows it."""
+    result = last_json(launch("sharded_data_parallel.py", 2, *SMALL, "--steps", "20", "--json",
+                              "--zero-stage", "3", env=clean_env(STAGE_ALL=1)))
+    assert result["zero_stage"] == 3 and result["world_size"] == 2
     assert result["check_max_abs_diff"] <= zp.TOLERANCE
-    assert result["final_loss"] < 0.95 * result["losses"][0]  # 4.85 -> 4.48 measured: it learns
-    measured, formula = result["memory_bytes_per_rank"], result["memory_bytes_formula"]
-    assert abs(measured["total"] - formula["total"]) <= 0.05 * formula["total"]
+    assert result["final_loss"] < 0.95 * result["losses"][0]  # 4.85 -> 4.4 measured: it learns
     assert result["comm_bytes_per_step"] == result["comm_bytes_formula"]
-    psi = result["padded_param_count"]
-    assert formula["total"] < 16 * psi / 2  # far below plain data parallelism's 16 Psi
+    overlap = result["overlap"]
+    assert overlap["prefetched_forward"][1] == overlap["prefetched_backward"][1] == 4
+    assert overlap["prefetched_forward"][0] >= 3 and overlap["prefetched_backward"][0] >= 3, overlap
+    assert overlap["reduce_scatters_started_in_backward"] == [4, 4]
+
+
+@pytest.mark.e2e
+def test_without_overlap_nothing_is_prefetched_or_started_in_backward():
+    """The same counts fall to 0 with --no-overlap, so the test above can fail."""
+    result = last_json(launch("sharded_data_parallel.py", 2, *SMALL, "--steps", "3", "--json",
+                              "--zero-stage", "3", "--no-overlap"))
+    assert result["check_max_abs_diff"] <= zp.TOLERANCE
+    assert result["overlap"] == {"reduce_scatters_started_in_backward": [0, 4], "prefetched_forward": [0, 4],
+                                 "prefetched_backward": [0, 4]}
+
+
+# The smallest GPT whose ordering of the stages is a measurement, not noise: a stage saves
+# 4 Psi (N-1)/N bytes and adds a transient W of two blocks, a margin of 4 blocks' bytes at
+# 8 blocks and N = 4 (12.6 MB at hidden 256; measured 14 MB between stages, ranks and runs
+# within 1.4 MB). At 4 blocks the margin is one block, the size of a transient buffer an MPI
+# library may add to one stage and not the other.
+MEMORY = ["--layers", "8", "--hidden", "256", "--heads", "4", "--batch-size", "8", "--seq-len", "32",
+          "--steps", "2", "--no-check", "--json"]
+
+
+@pytest.mark.e2e
+def test_the_measured_peak_memory_falls_with_the_stage():
+    peaks, results = [], []
+    for stage in STAGES:
+        results.append(last_json(launch("sharded_data_parallel.py", 4, *MEMORY, "--zero-stage", stage)))
+        peaks.append(max(results[-1]["peak_memory_bytes_per_rank"]))
+    assert peaks[0] > peaks[1] > peaks[2], peaks
+    for result, peak in zip(results, peaks):  # at least what the formula says a rank keeps
+        formula = result["memory_bytes_formula"]
+        assert peak >= formula["parameters"] + formula["gradients"] + formula["optimizer"], (peak, formula)
+    assert results[1]["overlap"] == {"reduce_scatters_started_in_backward": [10, 10]}
 
 
 @pytest.mark.e2e
@@ -176,19 +252,3 @@ def test_a_nudged_parameter_makes_the_check_fail():
                     env=clean_env(FAIL_AT="0:2:nudge"))
     assert result.returncode == 1, result.stdout + result.stderr
     assert "-> FAIL" in result.stdout
-
-
-@pytest.mark.e2e
-def test_stage_2_starts_its_reduce_scatters_inside_backward(tmp_path):
-    """Overlap where it is claimed: in the trace, each rank starts a layer's reduce-scatter while
-    its backward span is open, every step (a reduce-scatter started after backward fails this)."""
-    path = tmp_path / "trace.json"
-    result = launch("sharded_data_parallel.py", 2, "--zero-stage", "2", "--steps", "3", "--no-check",
-                    "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8", "--trace", path)
-    assert result.returncode == 0, result.stderr
-    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
-    for rank in range(2):
-        backward = [e for e in spans if e["pid"] == rank and e["name"] == "backward"]
-        starts = [e["ts"] for e in spans if e["pid"] == rank and e["name"] == "Ireduce_scatter_block"]
-        inside = [b for b in backward if any(b["ts"] <= t <= b["ts"] + b["dur"] for t in starts)]
-        assert len(backward) == 3 and len(inside) == 3, (rank, len(backward), len(inside))
