@@ -61,7 +61,11 @@ import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mpi4py import MPI
+import mpi4py
+
+mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
+mpi4py.rc.finalize = True  # and ends when the process does
+from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "model_parallel"
 # Largest |difference| allowed against single-process training (float32): the same as in
@@ -76,12 +80,16 @@ POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core 
 # -----------------------------------------------------------------------------
 # The strategy: forward down the ranks, backward back up, one rank at work at a time
 # -----------------------------------------------------------------------------
-TAGS = {"act": 1, "grad": 2, "check": 3}  # tag 0: the shapes, before training
+TAGS = {"act": 1, "grad": 2}  # far below 32767, the least MPI_TAG_UB that MPI allows
 
 
 def train_step(stage, optimizer, x, y, shapes, comm, timeline):
     """One optimizer step on the whole batch. Returns the loss on the last rank, elsewhere 0.
-    While one rank computes, every other rank waits for its activations or its gradient."""
+    While one rank computes, every other rank waits for its activations or its gradient.
+    Each receive is an Irecv and a Wait, not a Recv: comm counts and times the calls (below the
+    divider), and its Wait sleeps between polls, so that a waiting rank leaves its core to the
+    one that computes (MPICH's blocking Recv spins on it). mpi_receive_buffer, mpi_buffer and
+    from_mpi (after agree_shapes) stage GPU tensors for an MPI that cannot read GPU memory."""
     rank, n = comm.Get_rank(), comm.Get_size()
     optimizer.zero_grad()  # no gradient memory until backward makes it, while the activations peak
     inp = x
@@ -91,9 +99,8 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline):
         comm.Irecv(buffer, source=rank - 1, tag=TAGS["act"]).Wait()
         inp = from_mpi(inp, buffer).requires_grad_()
     with timeline.span("compute", "F"):
-        out = stage(inp)
-        if rank == n - 1:
-            out = F.cross_entropy(out.flatten(0, 1), y.flatten())
+        out = stage(inp)  # the activations; on the last rank the logits, and then the loss
+        loss = F.cross_entropy(out.flatten(0, 1), y.flatten()) if rank == n - 1 else None
     grad = None
     if rank < n - 1:
         grad = torch.empty(shapes["grad"][0], dtype=shapes["grad"][1], device=x.device)
@@ -104,19 +111,23 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline):
         receive.Wait()
         from_mpi(grad, buffer)
     with timeline.span("compute", "B"):
-        out.backward(grad)
+        if loss is not None:
+            loss.backward()
+        else:
+            out.backward(grad)
     if rank > 0:
         sent = mpi_buffer(inp.grad.contiguous())
         comm.Isend(sent, dest=rank - 1, tag=TAGS["grad"]).Wait()
     with timeline.span("compute", "optimizer"):
         optimizer.step()
-    return out.item() if rank == n - 1 else 0.0
+    return loss.item() if loss is not None else 0.0
 
 
 def agree_shapes(stage, comm, batch, seq_len, device):
     """Before training, each stage learns what it will receive: rank r runs its stage on a probe of
-    its input and tells rank r+1 the shape and dtype of its output (metadata: pickled is fine).
-    Returns (shape, dtype) of the activations this rank receives and of the gradients."""
+    its input and tells rank r+1 the shape and dtype of its output (metadata: pickled is fine, with
+    tag 0, which the step's messages never use). Returns (shape, dtype) of the activations this rank
+    receives and of the gradients."""
     rank, n = comm.Get_rank(), comm.Get_size()
     if rank == 0:
         probe = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
@@ -130,8 +141,8 @@ def agree_shapes(stage, comm, batch, seq_len, device):
     return {"act": (probe.shape, probe.dtype), "grad": (out.shape, out.dtype)}
 
 
-# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
-# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+# On a GPU: MPI reads GPU memory only when the library is CUDA-aware (found at start-up by
+# setup()). Otherwise a tensor on a GPU travels through a host copy. On the CPU these do nothing.
 CUDA_AWARE = False
 
 
@@ -148,18 +159,26 @@ def mpi_buffer(t, nonblocking=False):
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
 
 
+def mpi_receive_buffer(t):
+    """Where MPI writes what t is to hold: t itself, or an empty pinned host buffer (from_mpi
+    copies it back). t is fresh from PyTorch's caching allocator, whose memory kernels still
+    queued on the stream may read (a tensor freed a moment ago): MPI writes outside the stream,
+    so those kernels must finish first (an event, not the whole device)."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
 def from_mpi(t, buffer):
-    """Bring what MPI wrote into a host copy back to t; returns t."""
+    """Copy back what MPI wrote into a host copy (mpi_buffer's, mpi_receive_buffer's) to t; returns t."""
     if buffer is not t:
         t.copy_(buffer)
     return t
-
-
-def mpi_receive_buffer(t):
-    """Where MPI writes what t is to hold: t itself, or an empty pinned host buffer (from_mpi)."""
-    if not t.is_cuda or CUDA_AWARE:
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 # -----------------------------------------------------------------------------
@@ -293,26 +312,23 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 def train(args, comm, counted, device, stage, optimizer, shapes, timeline, past=()):
     """The steps after the `past` ones (their losses, from a checkpoint). Returns the losses of
-    the new steps (0 but on the last rank), their timings, the largest resident memory seen, and
-    when the last step began and ended on the timeline's clock.
-    The step talks through `counted`, the communicator that counts; the rest through comm."""
-    losses, records, resident, window = [], [], [], (0.0, 0.0)
+    the new steps (0 but on the last rank), their timings, and when the last step began and
+    ended on the timeline's clock. The step talks through `counted`, the communicator that
+    counts; the rest through comm."""
+    losses, records, window = [], [], (0.0, 0.0)
     for step in range(len(past), args.steps):
-        inject_failure(comm, step, model=stage)
         start = time.perf_counter()
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         losses.append(train_step(stage, optimizer, x, y, shapes, counted, timeline))
         records.append(timeline.step_record(start))
         window = (start - timeline.origin_s, start - timeline.origin_s + records[-1]["step_s"])
-        resident.append(resident_bytes())  # the stage, its gradients and momentum, what the step left
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             loss = comm.bcast(losses[-1], root=comm.Get_size() - 1)  # reporting only, not counted
             print_progress(comm, args, step, loss, records[-1])
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-                     "losses": list(past) + all_losses(comm, losses)}  # the last rank computed them
-            save_checkpoint(comm, args.save, step + 1, shard, model_config(args))
-    return losses, records, None if None in resident else max(resident, default=None), window
+        checkpoint_if_due(comm, args, step, lambda: {  # the losses: the last rank computed them
+            "model": stage.state_dict(), "optimizer": optimizer.state_dict(),
+            "losses": list(past) + all_losses(comm, losses)}, model_config(args))
+    return losses, records, window
 
 
 def all_losses(comm, losses):
@@ -320,15 +336,6 @@ def all_losses(comm, losses):
     values = torch.tensor(losses, dtype=torch.float64)
     comm.Bcast(values, root=comm.Get_size() - 1)
     return values.tolist()
-
-
-def resident_bytes():
-    """This process's resident memory now, from /proc/self/statm (Linux); None elsewhere."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
 
 
 def main(argv=None, comm=MPI.COMM_WORLD):
@@ -345,14 +352,16 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, model_config(args), lambda manifest: f"rank-{rank}.pt",
                                              args.steps, same_world_size=True)
-            stage.load_state_dict(shard["model"])
-            optimizer.load_state_dict(shard["optimizer"])
-            past = shard["losses"]
+            if shard is not None:
+                stage.load_state_dict(shard["model"])
+                optimizer.load_state_dict(shard["optimizer"])
+                past = shard["losses"]
         shapes = agree_shapes(stage, comm, args.batch_size, args.seq_len, run.device)
         print_header(comm, args, run, stage, shapes, resumed)
         counted.reset()  # count the training steps only
-        losses, records, resident, window = train(args, comm, counted, run.device, stage, optimizer, shapes,
-                                                  run.timeline, past)
+        run.memory.reset()  # the peak of training alone: not the model's building, nor the check
+        losses, records, window = train(args, comm, counted, run.device, stage, optimizer, shapes, run.timeline, past)
+        run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
@@ -360,16 +369,20 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     diff = check(comm, args, losses, stage) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, stage, optimizer, losses, records, counted, diff, resident, window)
+    return report(comm, args, run, stage, optimizer, losses, records, counted, diff, window)
 
 
 # =============================================================================
-# You may stop reading here: the strategy is all above. Below is the machinery that every
-# strategy file repeats in the same order and the same words: the check against single-process
-# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# You may stop reading here: the strategy is all above. Below, first this file's own machinery
+# (the check against single-process training, the report, its arguments), then the machinery
+# that every strategy file repeats word for word: the summary, checkpoints and signals,
+# counters, timeline and memory, device and MPI setup, arguments.
 # =============================================================================
 
-# --- Check against single-process training -----------------------------------
+# --- This file's own: the check against single-process training, the report, arguments
+CHECK_TAG = 3  # the stages' parameters sent to rank 0 for the check; the step's messages use 1 and 2
+
+
 def reference_training(args):
     """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
     model = build_model(args)
@@ -395,25 +408,16 @@ def check(comm, args, losses, stage, reference=None):
         for r in range(1, comm.Get_size()):
             state = {name: torch.empty_like(t) for name, t in stage_of(ref_model, r, comm.Get_size()).state_dict().items()}
             for t in state.values():
-                comm.Recv(t, source=r, tag=TAGS["check"])
+                comm.Recv(t, source=r, tag=CHECK_TAG)
             diff = max(diff, max_difference(losses, state, ref_losses, ref_model))
     else:
         for t in stage.state_dict().values():
             buffer = t.detach().cpu().contiguous()
-            request = comm.Isend(buffer, dest=0, tag=TAGS["check"])
+            request = comm.Isend(buffer, dest=0, tag=CHECK_TAG)
             while not request.Test():  # rank 0 trains the reference meanwhile: leave it the core
                 time.sleep(POLL_S)
     return comm.bcast(diff, root=0)
 
-def max_difference(losses, state, ref_losses, ref_model):
-    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
-    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
-    ref_state = ref_model.state_dict()
-    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
-        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
-    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
-
-# --- Report: header, progress, summary, --json, --trace ----------------------
 def print_header(comm, args, run, stage, shapes, resumed):
     n, stage_params = comm.Get_size(), comm.allgather(sum(p.numel() for p in stage.parameters()))
     params = sum(stage_params)
@@ -429,8 +433,9 @@ def print_header(comm, args, run, stage, shapes, resumed):
            f"global batch {args.batch_size} sequences of {args.seq_len} characters, all through every "
            f"rank in turn | between stages: {list(shapes['grad'][0]) if n > 1 else 'nothing'} float32")
 
-def report(comm, args, run, stage, optimizer, losses, records, counted, diff, resident, window):
-    """The timelines, the summary, the check's verdict and --json; returns the exit status."""
+def report(comm, args, run, stage, optimizer, losses, records, counted, diff, window):
+    """The timelines, the busy share, memory and messages, the overlap; then finish() (the split of
+    a step, the verdict, --json). Returns the exit status."""
     n, steps_run = comm.Get_size(), max(1, len(records))
     messages, sent = (comm.allreduce(count["Isend"] / steps_run) for count in (counted.calls, counted.bytes))
     ideal = [[("F", r, r + 1), ("B", 2 * n - 1 - r, 2 * n - r)] for r in range(n)]  # one slot each
@@ -438,43 +443,43 @@ def report(comm, args, run, stage, optimizer, losses, records, counted, diff, re
     later = records[1:] or records
     busy = comm.allgather(statistics.median(r["compute_s"] / r["step_s"] for r in later))
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in later))
-    # What each rank holds: its parameters, and SGD's momentum buffer for each of them.
+    # What each rank holds after training: its parameters, their gradients, SGD's momentum buffers.
     param_bytes = comm.allgather(sum(p.numel() * p.element_size() for p in stage.parameters()))
+    grad_bytes = comm.allgather(sum(p.grad.numel() * p.grad.element_size() for p in stage.parameters()
+                                    if p.grad is not None))
     state_bytes = comm.allgather(sum(t.numel() * t.element_size() for s in optimizer.state.values()
                                      for t in s.values() if torch.is_tensor(t)))
-    one_process = 2 * sum(param_bytes)
-    slowest = step_summary(comm, records)
+    held, one_process = [sum(b) for b in zip(param_bytes, grad_bytes, state_bytes)], 3 * sum(param_bytes)
     formula = 2 * (n - 1) * args.batch_size * args.seq_len * args.hidden * 4
     idle, m = statistics.mean(waits), 8  # m: pipeline_parallel.py's default micro-batches
-    print0(comm, f"ideal timeline (one slot per forward F or backward B of a rank's layers, '.': idle) | "
-                 f"busy 1/N = {100 / n:.0f}% of the step on every rank:",
-           *draw_timeline(ideal, 2 * n, 2 * n, 3),
-           "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
-           *measured,
-           f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})", summary_line(slowest),
-           f"share of the step per rank: busy {' '.join(f'{100 * b:.0f}%' for b in busy)} | waiting for a "
-           f"peer {' '.join(f'{100 * w:.0f}%' for w in waits)} | ideal: busy 1/N = {100 / n:.0f}%, idle "
-           f"(N-1)/N = {100 * (n - 1) / n:.0f}%",
-           "held per rank (parameters + optimizer state): " + " | ".join(
-               f"{(a + b) / 1e6:.2f} MB ({100 * (a + b) / one_process:.0f}%)" for a, b in
-               zip(param_bytes, state_bytes)) + f" of the {one_process / 1e6:.2f} MB one process holds",
-           f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
-           f"2(N-1) x B x T x H x 4 = {formula:,} | no collective in the step",
-           f"pipeline_parallel.py cuts the batch into M micro-batches so that the ranks work at once: "
-           f"with N = {n} and M = {m}, idle (N-1)/(M+N-1) = {100 * (n - 1) / (m + n - 1):.0f}% of the step "
-           f"instead of (N-1)/N = {100 * (n - 1) / n:.0f}% here (measured: {100 * idle:.0f}% waiting); "
-           f"mpirun -np {n} python pipeline_parallel.py measures it" if n > 1 else
-           "one rank holds the whole model and never waits: there is no idle time for a pipeline to remove")
-    ok = verdict(comm, diff, "losses, parameters")
-    if args.json:
-        print0(comm, json.dumps({
-            **house_keys(comm, args, run, losses, slowest, diff),
-            "comm_bytes_per_step": sent, "collectives_per_step": 0, "messages_per_step": messages,
-            "layer_split": layer_split(args.layers, n), "stage_params": [b // 4 for b in param_bytes],
-            "busy_fraction": busy, "idle_fraction": waits, "busy_fraction_ideal": 1 / n,
-            "param_bytes": param_bytes, "optimizer_state_bytes": state_bytes,
-            "single_process_bytes": one_process, "resident_bytes": comm.allgather(resident)}))
-    return 0 if ok else 1
+    in_flight = [comm.allreduce(c) for c in sends_in_flight(run.timeline.step_events)]  # over the ranks: not counted
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})",
+             f"ideal timeline (one slot per forward F or backward B of a rank's layers, '.': idle) | "
+             f"busy 1/N = {100 / n:.0f}% of the step on every rank:",
+             *draw_timeline(ideal, 2 * n, 2 * n, 3),
+             "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
+             *measured,
+             f"share of the step per rank: busy {' '.join(f'{100 * b:.0f}%' for b in busy)} | waiting for a "
+             f"peer {' '.join(f'{100 * w:.0f}%' for w in waits)} | ideal: busy 1/N = {100 / n:.0f}%, idle "
+             f"(N-1)/N = {100 * (n - 1) / n:.0f}%",
+             "memory per rank: stage states (live tensors after training: parameters, gradients, momentum) "
+             + " | ".join(f"{h / 1e6:.2f} MB ({100 * h / one_process:.0f}%)" for h in held)
+             + f" of the {one_process / 1e6:.2f} MB one process holds; measured peak "
+             + " | ".join(f"{b / 1e6:.2f}" for b in comm.allgather(run.memory.bytes))
+             + " MB: the states, the batch's activations, and the process's working memory",
+             f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
+             f"2(N-1) x B x T x H x 4 = {formula:,} | no collective in the step",
+             f"pipeline_parallel.py cuts the batch into M micro-batches so that the ranks work at once: "
+             f"with N = {n} and M = {m}, idle (N-1)/(M+N-1) = {100 * (n - 1) / (m + n - 1):.0f}% of the step "
+             f"instead of (N-1)/N = {100 * (n - 1) / n:.0f}% here (measured: {100 * idle:.0f}% waiting); "
+             f"mpirun -np {n} python pipeline_parallel.py measures it" if n > 1 else
+             "one rank holds the whole model and never waits: there is no idle time for a pipeline to remove"]
+    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+        "comm_bytes_per_step": sent, "collectives_per_step": 0, "messages_per_step": messages,
+        "layer_split": layer_split(args.layers, n), "stage_params": [b // 4 for b in param_bytes],
+        "busy_fraction": busy, "idle_fraction": waits, "busy_fraction_ideal": 1 / n,
+        "param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": state_bytes,
+        "single_process_bytes": one_process, "overlap": {"sends_in_flight_during_compute": in_flight}})
 
 def draw_timeline(rows, length, columns, width):
     """One line per rank, [0, length) cut into equal cells: a cell shows the span over its middle,
@@ -509,34 +514,77 @@ def measured_timeline(comm, timeline, window, width, most):
     return draw_timeline(rows, last - first, columns, width) + \
         [f"         one cell {(last - first) / columns * 1e3:.2f} ms, the step {(last - first) * 1e3:.1f} ms"]
 
+def sends_in_flight(events):
+    """overlap's sends_in_flight_during_compute in the step of `events` (this rank's timeline), as
+    [n, total]. A send is in flight from its Isend until the rank next blocks in a Wait on a send
+    (a Test, which never blocks, does not end it); n: the sends in whose flight a forward or a backward
+    began, that is, the rank computed instead of waiting for them. The lesson decides it, not the library's speed: here 0 of every
+    send, since each hand-off is waited for before the rank computes again (one rank busy at a
+    time); a pipeline computes in its sends' flight instead."""
+    compute = [b for name, cat, b, _ in events if cat == "compute" and name != "optimizer"]
+    waits = sorted(b for name, _, b, _ in events if name == "Isend wait") + [math.inf]
+    flights = [(b, next(w for w in waits if w >= b)) for name, _, b, _ in events if name == "Isend"]
+    return [sum(any(lo <= c < hi for c in compute) for lo, hi in flights), len(flights)]
+
+def parse_args(argv, world_size):
+    p = common_arguments("Model parallelism over MPI: a small GPT on Python's own source.",
+                         steps=60, batch_size=16, lr=0.2, log_every=20)
+    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
+    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    args = check_common(p.parse_args(argv))
+    if args.hidden % args.heads:
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
+                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
+    if args.seq_len > len(load_text()) - 2:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most "
+                          f"{len(load_text()) - 2}")
+    if args.layers < world_size:
+        raise ConfigError(f"--layers {args.layers} cannot fill {world_size} stages, one per rank; "
+                          f"use --layers {world_size} or more, or at most {args.layers} ranks")
+    return args
+
+# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
+    ref_state = ref_model.state_dict()
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+
+# --- Report: progress, the summary and --json, --trace -----------------------
 def print_progress(comm, args, step, loss, record):
     print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
                  f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
-def summary_line(slowest):
-    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
-            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
-
-def verdict(comm, diff, compared):
-    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
+def finish(comm, args, run, losses, records, diff, compared, lines, keys):
+    """The summary: the file's own `lines`, the split of a step (medians over the steps after the
+    first, of the slowest rank), the peak memory each rank measured, the overlap counts of the
+    last step (keys['overlap']) and the check's verdict; then --json, the house keys and the
+    file's `keys`. Returns the exit status: 1 when the check exceeds the tolerance."""
+    medians = [{k: statistics.median(r[k] for r in (mine[1:] or mine)) for k in mine[0]}
+               for mine in comm.allgather(records)]
+    slowest = max(medians, key=lambda m: m["step_s"])
+    peaks = comm.allgather(run.memory.bytes)
     ok = diff is None or diff <= TOLERANCE
-    if diff is not None:
-        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
-                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
-    return ok
-
-def house_keys(comm, args, run, losses, slowest, diff):
-    """The JSON keys every strategy file reports."""
-    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+    overlap = keys.get("overlap") or {}
+    print0(comm, *lines,
+           f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+           f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
+           f"peak memory per rank ({run.memory.what}): {' | '.join(f'{p / 1e6:.2f}' for p in peaks)} MB",
+           *(["overlap, last step (started in time / all): "
+              + ", ".join(f"{name} {n}/{total}" for name, (n, total) in overlap.items())] if overlap else []),
+           *([f"check against single-process training: max |diff| {diff:.2e} ({compared}; tolerance "
+              f"{TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}"] if diff is not None else []))
+    if args.json:
+        print0(comm, json.dumps({
+            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
             "steps": args.steps, "losses": losses, "final_loss": losses[-1],
-            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
-            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
-
-def step_summary(comm, records):
-    """Medians over steps after the first, of the slowest rank (by median step time)."""
-    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
-               for rank_records in comm.allgather(records)]
-    return max(medians, key=lambda m: m["step_s"])
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"], "comm_s": slowest["comm_s"],
+            "idle_s": slowest["idle_s"], "check_max_abs_diff": diff, "peak_memory_bytes_per_rank": peaks, **keys}))
+    return 0 if ok else 1
 
 def write_trace(comm, timeline, path):
     """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
@@ -552,16 +600,28 @@ def print0(comm, *lines, file=None):
     if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
         print(*lines, sep="\n", file=file or sys.stdout, flush=True)
 
-# --- Checkpoints: a folder appears whole or not at all ------------------------
+# --- Checkpoints: a folder appears whole or not at all; a signal stops at a step's end
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a batch system's time limit, or its warning
+stop_requested = []  # the signals this rank received
+
+def checkpoint_if_due(comm, args, step, make_shard, config):
+    """At the end of `step`: save when --save-every or the last step says so, or when any rank got
+    SIGTERM or SIGUSR1 (the ranks agree on it here, so all stop after the same step); after a
+    signal's save, end the job with status 0. make_shard() gives this rank's shard (collective)."""
+    stop = comm.allreduce(bool(stop_requested), op=MPI.LOR) and step + 1 < args.steps
+    if args.save and (stop or step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+        save_checkpoint(comm, args.save, step + 1, make_shard(), config)
+    if stop:
+        print0(comm, f"stopped by a signal after step {step + 1} of {args.steps}: " +
+               (f"checkpoint saved in {args.save}; rerun with --resume to continue" if args.save
+                else "nothing saved (no --save)"))
+        sys.exit(0)
+
 def checkpoints(root):
     """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
     names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
                    if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
     return [os.path.join(root, n) for n in names]
-
-def sha256(path):
-    with open(path, "rb") as stream:
-        return hashlib.sha256(stream.read()).hexdigest()
 
 def write_durably(path, data):
     with open(path, "wb") as stream:
@@ -581,7 +641,6 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
     comm.Barrier()
     try:
         os.makedirs(tmp, exist_ok=True)
-        inject_failure(comm, step, "save")
         if shard is not None:
             name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
             torch.save(shard, stream)
@@ -614,14 +673,15 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
-    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
-    Any problem on any rank is a ConfigError on every rank."""
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified; (None,
+    None) when root holds none yet (a batch job's first run), which rank 0 says. Any problem on
+    any rank is a ConfigError on every rank."""
     error = manifest = shard = None
     try:
         found = checkpoints(root)
         if not found:
-            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
-                              f"start without --resume to create one")
+            print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
+            return None, None
         path = found[-1]
         with open(os.path.join(path, "manifest.json")) as stream:
             manifest = json.load(stream)
@@ -636,7 +696,9 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         if manifest["config"] != config:
             raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
         name = shard_name(manifest)
-        if sha256(os.path.join(path, name)) != manifest["files"][name]:
+        with open(os.path.join(path, name), "rb") as stream:
+            digest = hashlib.sha256(stream.read()).hexdigest()
+        if digest != manifest["files"][name]:
             raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
         shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
     except ConfigError as e:
@@ -648,7 +710,7 @@ def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True)
         raise ConfigError(errors[0])
     return manifest, shard
 
-# --- Counters and timeline: measured around the strategy's own MPI calls -----
+# --- Counters, timeline and memory: measured around the strategy's own work ---
 class Timeline:
     """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
     own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
@@ -658,6 +720,7 @@ class Timeline:
         self.cuda = device.type == "cuda"
         self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
         self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+        self.step_events = []  # the events of the last recorded step
 
     def _mark(self):
         if not self.cuda:
@@ -685,6 +748,7 @@ class Timeline:
         if self.cuda:
             torch.cuda.synchronize()  # once a step: every event of the step has happened
         record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+        first = len(self.events)
 
         def own_time(name, cat, start_mark, end_mark, children):
             begin, end = self._seconds(start_mark), self._seconds(end_mark)
@@ -694,18 +758,27 @@ class Timeline:
 
         for span in self.closed:
             own_time(*span)
-        self.closed = []
+        self.closed, self.step_events = [], self.events[first:]
         record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
         return record
 
+def started_within(events, exchange, compute):
+    """[n, total]: of the spans named `exchange` (a name or a tuple of names), how many began
+    while a span named `compute` (likewise) was running: started in time to hide behind it."""
+    names = lambda x: (x,) if isinstance(x, str) else tuple(x)
+    running = [(begin, end) for name, _, begin, end in events if name in names(compute)]
+    starts = [begin for name, _, begin, _ in events if name in names(exchange)]
+    return [sum(any(lo <= s < hi for lo, hi in running) for s in starts), len(starts)]
+
 class CountedComm:
     """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
-    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
-    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
-    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
+    way the buffer methods are counted (calls, bytes of the first buffer, by name) and timed as
+    'comm' spans. Their requests' Wait polls with short sleeps (MPICH's Wait spins on the core of
+    a rank that computes): a point-to-point wait is the peer's lateness (idle), a collective's comm."""
 
     COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
-               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
+               "Allgather", "Iallgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+               "Ireduce_scatter_block", "Alltoall", "Alltoallv", "Ialltoallv"}
 
     def __init__(self, comm, timeline):
         self.comm, self.timeline = comm, timeline
@@ -743,31 +816,95 @@ class CountedRequest:
             while not self.request.Test():
                 time.sleep(POLL_S)
 
+class PeakMemory:
+    """The most memory this rank held while training, less what it held before the model was
+    built. CUDA: the allocator's peak. CPU: the peak resident set (VmHWM) less its file-backed
+    pages (torch's code, loaded as kernels are first used), which means something because
+    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process."""
+
+    def __init__(self, device):  # before the model is built
+        __import__("torch._dynamo")  # torch's first optimizer imports it: 60+ MB of Python, not training
+        self.cuda = device.type == "cuda"
+        self.what = "CUDA allocator's peak" if self.cuda else "peak resident set less code, less the process before the model"
+        self.baseline = 0 if self.cuda else proc_status("VmRSS") - proc_status("RssFile")
+
+    def reset(self):
+        """From here on: the peak of training, not that of building the model."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # Linux: the peak resident set starts again from the current one
+
+    def stop(self):
+        """The peak until now: the check and the report that follow training do not count."""
+        self.bytes = (torch.cuda.max_memory_allocated() if self.cuda else
+                      max(0, proc_status("VmHWM") - proc_status("RssFile") - self.baseline))
+
+def proc_status(key):
+    """A size from /proc/self/status in bytes (Linux; 0 elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) * 1024 for line in status if line.startswith(key + ":")), 0)
+    return 0
+
 # --- Device and MPI setup -----------------------------------------------------
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+def launcher_local_rank():
+    """This rank's index on its node, as the launcher tells it (Open MPI, Slurm, MPICH, MVAPICH)."""
+    return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+
+def start_mpi():
+    """Before MPI starts: give freed memory back to the system at once (glibc otherwise keeps
+    freed blocks of up to 32 MB, and the resident set would never fall), and choose this rank's
+    GPU, since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI
+    with threads: on a GPU, autograd calls MPI from a thread of its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
+    local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
+    if local is not None and not cpu and torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not MPI.Is_initialized():  # the level mpi4py.rc.thread_level asks for (MPI4PY_RC_THREAD_LEVEL)
+        MPI.Init_thread(getattr(MPI, "THREAD_" + mpi4py.rc.thread_level.upper()))
+
 def setup(comm, args):
-    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
+    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
+    signal handlers, and the header's facts."""
     global CUDA_AWARE
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
+    launcher = launcher_local_rank()
     gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    notes = [f"note: the launcher says local rank {launcher}, the node's ranks say {local_rank}"] if launcher not in (None, local_rank) else []
     if args.device == "cuda" or (args.device == "auto" and gpus):
-        device = torch.device("cuda", local_rank % gpus)
+        device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
         CUDA_AWARE = mpi_cuda_aware(comm)
-        if args.check:  # float32 against float32: no TF32 in the run or in the reference
-            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+        if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
+            try:
+                torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+            except AttributeError:  # torch before 2.9
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
         transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
-        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
+        uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
+        if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
+            notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
     else:
         device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
         torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
-        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
+        if local_size > cores:
+            notes.append(f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns")
+    node.Free()
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda number, frame: stop_requested.append(number))
     comm.Barrier()  # the timeline's zero, about the same moment on every rank
     header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
-              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
-    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
+              f"CUDA buffers: {transport}"] + notes
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
     """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
@@ -803,29 +940,13 @@ def check_thread_level(provided):
     if provided < MPI.THREAD_SERIALIZED:
         raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
                           f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
-                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
+                          f"keep mpi4py.rc.thread_level (MPI4PY_RC_THREAD_LEVEL) at its default, 'multiple'")
 
 def mpi_library():
     """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
     text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
     return text.strip().splitlines()[0].strip()
 
-def inject_failure(comm, step, during="step", model=None):
-    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
-    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
-    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
-    spec = os.environ.get("FAIL_AT", "")
-    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
-    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
-        return
-    if how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if how == "oserror":
-        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
-    if how != "nudge":
-        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
-    with torch.no_grad():
-        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
 
 # --- Arguments, and the paths a run will write, checked before anything is built
 class ConfigError(Exception):
@@ -850,13 +971,11 @@ class Parser(argparse.ArgumentParser):
 def checked(kind, ok, must):
     """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        value = kind(text)  # a ValueError is argparse's own "invalid int value: 'x'"
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
         return value
+    parse.__name__ = kind.__name__
     return parse
 
 COUNT = checked(int, lambda v: v > 0, "a positive integer")
@@ -889,24 +1008,6 @@ def check_common(args):
         raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
     return args
 
-def parse_args(argv, world_size):
-    p = common_arguments("Model parallelism over MPI: a small GPT on Python's own source.",
-                         steps=60, batch_size=16, lr=0.2, log_every=20)
-    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
-    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
-    args = check_common(p.parse_args(argv))
-    if args.hidden % args.heads:
-        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
-                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
-    if args.seq_len > len(load_text()) - 2:
-        raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most "
-                          f"{len(load_text()) - 2}")
-    if args.layers < world_size:
-        raise ConfigError(f"--layers {args.layers} cannot fill {world_size} stages, one per rank; "
-                          f"use --layers {world_size} or more, or at most {args.layers} ranks")
-    return args
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
@@ -941,5 +1042,6 @@ def abort_on_exception(kind, value, tb):
     MPI.COMM_WORLD.Abort(1)
 
 if __name__ == "__main__":
+    start_mpi()
     sys.excepthook = abort_on_exception
     sys.exit(main())

@@ -24,7 +24,8 @@ the weights' gradients nobody waits for, one slot each; '.' idle):
    rank 0 | F0 F1 F2 .  .  B0 W0 B1 W1 B2 W2
    rank 1 | .  F0 F1 .  B0 F2 B1 W0 B2 W1 W2
    rank 2 | .  .  F0 B0 F1 B1 F2 B2 W0 W1 W2
-   --schedule zbv: two chunks a, b per rank in a V, down the ranks and back up to the loss on rank 0
+   --schedule zbv: two chunks a, b per rank in a V, down the ranks and back up to the loss on rank 0;
+   at M = 3 < 2N-1 the greedy lists of zbv_orders (the paper's handcrafted lists need M >= 2N-1)
    rank 0 | F0a F1a F2a .   .   F0b B0b F1b B1b F2b B2b B0a W0a B1a W0b B2a W1a W1b W2a W2b
    rank 1 | .   F0a F1a F2a F0b .   F1b B0b F2b B1b B0a B2b B1a W0a B2a W0b W1a W1b W2a W2b
    rank 2 | .   .   F0a F0b F1a F1b F2a F2b B0b B0a B1b B1a B2b B2a W0a W0b W1a W1b W2a W2b
@@ -77,7 +78,11 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mpi4py import MPI
+import mpi4py
+
+mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
+mpi4py.rc.finalize = True  # and ends when the process does
+from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "pipeline_parallel"
 # Largest |difference| allowed against single-process training (float32). Micro-batches change
@@ -92,6 +97,14 @@ POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core 
 # -----------------------------------------------------------------------------
 # The strategy: each rank executes its list of actions; the schedules make the lists
 # -----------------------------------------------------------------------------
+# The model is cut into S = N x V stages (V chunks per rank; V = 1 but for interleaved and zbv).
+# An Action is op on micro-batch mb of `stage`: a computation, forward, backward (input and weights
+# at once), backward_input (B: the gradient the previous stage waits for) or backward_weight (W: the
+# weights' gradients, which nobody waits for), or a message: send_/recv_act, the input of `stage`,
+# from stage - 1; send_/recv_grad, its gradient, from stage + 1. COST: a computation's slots.
+Action = collections.namedtuple("Action", "op mb stage")
+COST = {"forward": 1, "backward": 2, "backward_input": 1, "backward_weight": 1}
+
 # MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
 # Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
 CUDA_AWARE = False
@@ -105,14 +118,14 @@ def mpi_buffer(t, nonblocking=False, send=True):
     if CUDA_AWARE and not nonblocking:
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        done.synchronize()  # t's queued kernels finish first: those writing it, or (a receive) reading its old memory
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t) if send else host  # copy_ waits for t's kernels
 
 
 def from_mpi(t, buffer):
-    """Bring what MPI wrote into a host copy back to t; returns t."""
+    """Copy back what MPI wrote into a host copy (mpi_buffer's) to t; returns t."""
     if buffer is not t:
         t.copy_(buffer)
     return t
@@ -137,7 +150,7 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline)
         recvs[a] = (t, buffer, comm.Irecv(buffer, peer(a), tag(a.op[5:], a.mb, a.stage, last + 1)))
 
     for k, a in enumerate(actions):
-        key, kind = (a.stage, a.mb), a.op[5:]
+        key, kind = (a.stage, a.mb), a.op[5:]  # kind: "act" or "grad" for a message (recv_act...)
         if a.op in COST:  # post the next receive from another rank before computing
             upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_") and peer(b) != rank), None)
             if upcoming is not None and upcoming not in recvs:
@@ -169,7 +182,8 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline)
             with timeline.span("compute", f"{a.op[0].upper()}{a.mb}"):
                 if a.op == "backward":
                     outputs.pop(key).backward(grad)
-                else:  # B: the input's gradient and the small weights'; the Linear weights' go to W
+                else:  # B: the input's gradient and the small weights'. Each Linear's backward
+                    # (LinearWeightsLater, below) left in chunk.later what W needs: held until W
                     leaves = [inputs[key]] * (a.stage > 0) + chunk[a.stage].weights_in_b
                     outputs.pop(key).backward(grad, inputs=leaves)
                     later[key] = [(meter.hold(key, x_), meter.hold(key, g), w, b)
@@ -189,8 +203,17 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline)
 
 
 def tag(kind, mb, stage, stages):
-    """The message that carries the input (act) or the gradient (grad) of `stage` for micro-batch mb."""
+    """The message that carries the input (act) or the gradient (grad) of `stage` for micro-batch
+    mb: a tag of its own for each message of a step, so none can match another's receive."""
     return 1 + 2 * (mb * stages + stage) + (kind == "grad")
+
+
+def check_tags(comm, m, stages):
+    """The largest tag, 2 x M x S, must not exceed the library's MPI_TAG_UB (MPI promises 32767)."""
+    largest, bound = tag("grad", m - 1, stages - 1, stages), comm.Get_attr(MPI.TAG_UB)
+    if largest > bound:
+        raise ConfigError(f"--micro-batches {m} through {stages} stages needs message tags up to {largest}, "
+                          f"above this MPI's bound of {bound}: use --micro-batches {bound // (2 * stages)} or fewer")
 
 
 class LinearWeightsLater(torch.autograd.Function):
@@ -264,14 +287,6 @@ def weight_gradients(work):
         for p, value in ((weight, g.t() @ x.reshape(-1, x.shape[-1])), (bias, g.sum(0))):
             if p is not None:
                 p.grad = value if p.grad is None else p.grad.add_(value)
-
-
-# The model is cut into S = N x V stages (V chunks per rank; V = 1 but for interleaved and zbv).
-# op: forward, backward (input and weights at once), backward_input (B: the gradient the previous
-# stage waits for), backward_weight (W: the weights' gradients, which nobody waits for), or
-# send_/recv_ act/grad: the input of `stage` arrives from stage - 1, its gradient from stage + 1.
-Action = collections.namedtuple("Action", "op mb stage")
-COST = {"forward": 1, "backward": 2, "backward_input": 1, "backward_weight": 1}  # slots, dry run
 
 
 class ScheduleError(Exception):
@@ -655,9 +670,7 @@ def train(args, comm, counted, run, stage, optimizer, actions, ranks, meter, pas
     losses of the new steps (0 but on the rank of the last stage), their timings, and the last
     step's [start, end) on the timeline."""
     loss_rank, losses, records, window = ranks[-1], [], [], None
-    config = model_config(args, ranks)
     for step in range(len(past), args.steps):
-        inject_failure(comm, step, model=stage)
         start = time.perf_counter()
         x, y = (t.to(run.device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         losses.append(train_step(stage, optimizer, actions, ranks, x, y, args.micro_batches, counted, meter,
@@ -666,10 +679,9 @@ def train(args, comm, counted, run, stage, optimizer, actions, ranks, meter, pas
         window = (start - run.timeline.origin_s, start - run.timeline.origin_s + records[-1]["step_s"])
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print_progress(comm, args, step, comm.bcast(losses[-1], root=loss_rank), records[-1])  # not counted
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            shard = {"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-                     "losses": list(past) + comm.bcast(losses, root=loss_rank)}  # that rank computed them
-            save_checkpoint(comm, args.save, step + 1, shard, config)
+        checkpoint_if_due(comm, args, step, lambda: {  # the losses: the rank of the last stage has them
+            "model": stage.state_dict(), "optimizer": optimizer.state_dict(),
+            "losses": list(past) + comm.bcast(losses, root=loss_rank)}, model_config(args, ranks))
     return losses, records, window
 
 
@@ -688,6 +700,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         counted = CountedComm(comm, run.timeline)
         n, m, v, rank = comm.Get_size(), args.micro_batches, args.virtual_stages, comm.Get_rank()
         ranks = [stage_rank(args.schedule, n, s) for s in range(n * v)]
+        check_tags(comm, m, n * v)
         # Every rank makes and proves the lists of all ranks, so all reach the same verdict.
         schedules = [SCHEDULES[args.schedule](n, m, r, v) for r in range(n)]
         ideal = dry_run(schedules, m, ranks)
@@ -698,32 +711,35 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, model_config(args, ranks),
                                              lambda manifest: f"rank-{rank}.pt", args.steps, same_world_size=True)
-            stage.load_state_dict(shard["model"])
-            optimizer.load_state_dict(shard["optimizer"])
-            past = shard["losses"]
+            if shard is not None:
+                stage.load_state_dict(shard["model"])
+                optimizer.load_state_dict(shard["optimizer"])
+                past = shard["losses"]
         print_header(comm, args, run, stage, ranks, resumed)
+        run.memory.reset()  # the peak of training alone: not the model's building, nor the check
         losses, records, window = train(args, comm, counted, run, stage, optimizer, schedules[rank], ranks,
                                         meter, past)
+        run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
-    resident = comm.allgather(resident_bytes())  # while the stage is trained, before any check
     every = torch.tensor(losses, dtype=torch.float64)
     comm.Bcast(every, root=ranks[-1])  # the rank of the last stage computed them
     losses = list(past) + every.tolist()
     diff = check(comm, args, losses, stage, ranks) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, ideal, ranks, stage, losses, records, window, counted, meter, resident, diff)
+    return report(comm, args, run, ideal, ranks, stage, losses, records, window, counted, meter, diff)
 
 
 # =============================================================================
-# You may stop reading here: the strategy is all above. Below is the machinery that every
-# strategy file repeats in the same order and the same words: the check against single-process
-# training, the report, checkpoints, counters and timeline, device and MPI setup, arguments.
+# You may stop reading here: the strategy is all above. Below, first this file's own machinery
+# (the check against single-process training, the report, its arguments), then the machinery
+# that every strategy file repeats word for word: the summary, checkpoints and signals,
+# counters, timeline and memory, device and MPI setup, arguments.
 # =============================================================================
 
-# --- Check against single-process training -----------------------------------
+# --- This file's own: the check against single-process training, the report, arguments
 def reference_training(args):
     """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
     model = build_model(args)
@@ -751,28 +767,16 @@ def check(comm, args, losses, stage, ranks):
     ref_losses, ref_model = reference_training(args)
     diff = max_difference(losses, {}, ref_losses, ref_model)
     for r in range(comm.Get_size()):
-        names, shapes = [], []
-        for s in (s for s in range(len(ranks)) if ranks[s] == r):  # a slice keeps the full model's names
-            for name, p in ref_model[stage_slice(args.layers, s, len(ranks))].named_parameters():
-                names.append(name)
-                shapes.append(p.shape)
+        shapes = {name: p.shape for s in range(len(ranks)) if ranks[s] == r  # a slice keeps the full model's names
+                  for name, p in ref_model[stage_slice(args.layers, s, len(ranks))].named_parameters()}
         if r:
-            flat = torch.empty(sum(shape.numel() for shape in shapes))
+            flat = torch.empty(sum(shape.numel() for shape in shapes.values()))
             comm.Recv(flat, source=r, tag=0)
-        pieces = flat.split([shape.numel() for shape in shapes])
-        state = {name: piece.view(shape) for name, piece, shape in zip(names, pieces, shapes)}
+        pieces = flat.split([shape.numel() for shape in shapes.values()])
+        state = {name: piece.view(shape) for (name, shape), piece in zip(shapes.items(), pieces)}
         diff = max(diff, max_difference(losses, state, ref_losses, ref_model))
     return comm.bcast(diff, root=0)
 
-def max_difference(losses, state, ref_losses, ref_model):
-    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
-    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
-    ref_state = ref_model.state_dict()
-    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
-        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
-    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
-
-# --- Report: header, progress, summary, --json, --trace ----------------------
 def print_header(comm, args, run, stage, ranks, resumed):
     n, m, v = comm.Get_size(), args.micro_batches, args.virtual_stages
     params = sum(p.numel() for p in build_model(args).parameters()) if comm.Get_rank() == 0 else 0
@@ -792,8 +796,9 @@ def print_header(comm, args, run, stage, ranks, resumed):
            f"float32 | dry run of every rank's actions: each send meets its receive, each input exists before "
            f"use, no deadlock")
 
-def report(comm, args, run, ideal, ranks, stage, losses, records, window, counted, meter, resident, diff):
-    """The summary, the check's verdict and --json; returns the exit status."""
+def report(comm, args, run, ideal, ranks, stage, losses, records, window, counted, meter, diff):
+    """The timelines, the bubble, memory, messages and overlap; then finish() (the split of a step,
+    the verdict, --json). Returns the exit status."""
     n, m, v, steps_run = comm.Get_size(), args.micro_batches, args.virtual_stages, max(1, len(records))
     messages = comm.allreduce(counted.calls["Isend"] / steps_run)
     sent = comm.allreduce(counted.bytes["Isend"] / steps_run)
@@ -802,43 +807,43 @@ def report(comm, args, run, ideal, ranks, stage, losses, records, window, counte
     measured = measured_timeline(comm, run.timeline, window, width, 2 * slots)
     peaks = comm.allgather((meter.peak_count, meter.peak_bytes, meter.per_mb))
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
-    slowest = step_summary(comm, records)
     theory, bubble, dry_bubble = bubble_theory(args.schedule, n, m, v), statistics.mean(waits), 1 - 3 * m * v / slots
     back_to_back = back_to_back_bubble(spans, 3 * m * v)
     bounds = [schedule_bound(args.schedule, n, m, r, v) for r in range(n)]
     crossings = sum(a != b for a, b in zip(ranks, ranks[1:]))  # stage boundaries between two ranks
     formula = 2 * crossings * args.batch_size * args.seq_len * args.hidden * 4
-    print0(comm, f"ideal timeline (the dry run; F/B/W: forward/backward/weights' gradients of micro-batch i, "
-                 f"one slot each, a whole backward B two{', a/b...: the chunk' if v > 1 else ''}; '.': idle) | "
-                 f"bubble {100 * dry_bubble:.0f}% of one step, {100 * back_to_back:.0f}% with steps back to back:",
-           *draw_timeline(spans, slots, slots, width),
-           "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
-           *measured,
-           f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})", summary_line(slowest),
-           f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer (per rank "
-           f"{' '.join(f'{100 * w:.0f}%' for w in waits)}) | theory {THEORY[args.schedule]} = {100 * theory:.1f}%",
-           f"micro-batch chunks held at once (measured: tensors autograd keeps), peak per rank: "
-           f"{' '.join(str(p[0]) for p in peaks)} | bound {BOUND[args.schedule]}: {' '.join(map(str, bounds))} | "
-           f"saved activations at peak: {' '.join(f'{p[1] / 1e6:.2f}' for p in peaks)} MB (one chunk: at most "
-           f"{max(p[2] for p in peaks) / 1e6:.2f} MB) | resident memory per rank: "
-           f"{' '.join(f'{b / 1e6:.0f}' for b in resident)} MB",
-           f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; 2K x B x T x H x 4 = "
-           f"{formula:,} with K = {crossings} stage boundaries between ranks | no collective in the step")
-    ok = verdict(comm, diff, "losses, parameters")
-    if args.json:
-        print0(comm, json.dumps({
-            **house_keys(comm, args, run, losses, slowest, diff),
-            "comm_bytes_per_step": sent, "collectives_per_step": 0, "schedule": args.schedule,
-            "micro_batches": m, "virtual_stages": v, "messages_per_step": messages,
-            "layer_split": layer_split(args.layers, n * v), "stage_ranks": ranks,
-            "stage_params": comm.allgather(sum(p.numel() for p in stage.parameters())),
-            "bubble_fraction": bubble, "bubble_fraction_ranks": waits, "bubble_fraction_theory": theory,
-            "bubble_fraction_dry_run": dry_bubble, "bubble_fraction_back_to_back_dry_run": back_to_back,
-            "peak_activations": [p[0] for p in peaks],
-            "peak_activations_bound": bounds, "peak_activations_dry_run": ideal_peak,
-            "peak_activation_bytes": [p[1] for p in peaks], "activation_bytes_per_micro_batch": [p[2] for p in peaks],
-            "resident_bytes": resident}))
-    return 0 if ok else 1
+    states = comm.allgather(3 * sum(p.numel() * p.element_size() for p in stage.parameters()))
+    expected = [s + p[1] for s, p in zip(states, peaks)]
+    in_flight = [comm.allreduce(c) for c in sends_in_flight(run.timeline.step_events)]  # over the ranks: not counted
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})",
+             f"ideal timeline (the dry run; F/B/W: forward/backward/weights' gradients of micro-batch i, one "
+             f"slot each, a whole backward B two{', a/b...: the chunk' if v > 1 else ''}; '.': idle) | bubble "
+             f"{100 * dry_bubble:.0f}% of one step, {100 * back_to_back:.0f}% with steps back to back:",
+             *draw_timeline(spans, slots, slots, width),
+             "measured timeline (the last step; o: optimizer, '.': waiting for a peer or communicating):",
+             *measured,
+             f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer (per rank "
+             f"{' '.join(f'{100 * w:.0f}%' for w in waits)}) | theory {THEORY[args.schedule]} = {100 * theory:.1f}%",
+             f"micro-batch chunks held at once (counted: the tensors autograd saved for backward or W), peak per "
+             f"rank: {' '.join(str(p[0]) for p in peaks)} | bound {BOUND[args.schedule]}: {' '.join(map(str, bounds))}"
+             f" | those tensors at their peak: {' '.join(f'{p[1] / 1e6:.2f}' for p in peaks)} MB (one chunk: at "
+             f"most {max(p[2] for p in peaks) / 1e6:.2f} MB)",
+             f"memory per rank: stage states (parameters, gradients, momentum: 3 x 4 bytes a parameter) + those "
+             f"tensors at their peak = {' | '.join(f'{b / 1e6:.2f}' for b in expected)} MB; measured peak "
+             f"{' | '.join(f'{b / 1e6:.2f}' for b in comm.allgather(run.memory.bytes))} MB",
+             f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; 2K x B x T x H x 4 = "
+             f"{formula:,} with K = {crossings} stage boundaries between ranks | no collective in the step"]
+    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+        "comm_bytes_per_step": sent, "collectives_per_step": 0, "schedule": args.schedule,
+        "micro_batches": m, "virtual_stages": v, "messages_per_step": messages,
+        "layer_split": layer_split(args.layers, n * v), "stage_ranks": ranks,
+        "stage_params": comm.allgather(sum(p.numel() for p in stage.parameters())),
+        "bubble_fraction": bubble, "bubble_fraction_ranks": waits, "bubble_fraction_theory": theory,
+        "bubble_fraction_dry_run": dry_bubble, "bubble_fraction_back_to_back_dry_run": back_to_back,
+        "peak_activations": [p[0] for p in peaks], "peak_activations_bound": bounds,
+        "peak_activations_dry_run": ideal_peak, "peak_activation_bytes": [p[1] for p in peaks],
+        "activation_bytes_per_micro_batch": [p[2] for p in peaks], "stage_state_bytes": states,
+        "memory_formula_bytes": expected, "overlap": {"sends_in_flight_during_compute": in_flight}})
 
 def draw_timeline(rows, length, columns, width):
     """One line per rank, [0, length) cut into equal cells: a cell shows the span over its middle,
@@ -872,394 +877,17 @@ def measured_timeline(comm, timeline, window, width, most):
     return draw_timeline(rows, last - first, columns, width) + \
         [f"         one cell {(last - first) / columns * 1e3:.2f} ms, the step {(last - first) * 1e3:.1f} ms"]
 
-def resident_bytes():
-    """This process's resident memory now (Linux), else its peak so far."""
-    try:
-        with open("/proc/self/statm") as stream:
-            return int(stream.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-def print_progress(comm, args, step, loss, record):
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
-                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
-
-def summary_line(slowest):
-    return (f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
-            f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)")
-
-def verdict(comm, diff, compared):
-    """Print the check's verdict (if it ran); True unless the difference exceeds the tolerance."""
-    ok = diff is None or diff <= TOLERANCE
-    if diff is not None:
-        print0(comm, f"check against single-process training: max |diff| {diff:.2e} "
-                     f"({compared}; tolerance {TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}")
-    return ok
-
-def house_keys(comm, args, run, losses, slowest, diff):
-    """The JSON keys every strategy file reports."""
-    return {"strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
-            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
-            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"],
-            "comm_s": slowest["comm_s"], "idle_s": slowest["idle_s"], "check_max_abs_diff": diff}
-
-def step_summary(comm, records):
-    """Medians over steps after the first, of the slowest rank (by median step time)."""
-    medians = [{k: statistics.median(r[k] for r in (rank_records[1:] or rank_records)) for k in rank_records[0]}
-               for rank_records in comm.allgather(records)]
-    return max(medians, key=lambda m: m["step_s"])
-
-def write_trace(comm, timeline, path):
-    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
-    events = comm.gather(timeline.events, root=0)
-    if comm.Get_rank() == 0:
-        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
-        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
-                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
-        with open(path, "w") as out:
-            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
-
-def print0(comm, *lines, file=None):
-    if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
-        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
-
-# --- Checkpoints: a folder appears whole or not at all ------------------------
-def checkpoints(root):
-    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
-    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
-                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
-    return [os.path.join(root, n) for n in names]
-
-def sha256(path):
-    with open(path, "rb") as stream:
-        return hashlib.sha256(stream.read()).hexdigest()
-
-def write_durably(path, data):
-    with open(path, "wb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-
-def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
-    manifest and renames the folder to step-N: a job killed before the rename leaves the
-    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
-    every rank with one line, the previous checkpoint whole."""
-    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
-    files, error = {}, None
-    if comm.Get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    comm.Barrier()
-    try:
-        os.makedirs(tmp, exist_ok=True)
-        inject_failure(comm, step, "save")
-        if shard is not None:
-            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
-            torch.save(shard, stream)
-            write_durably(os.path.join(tmp, name), stream.getvalue())
-            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
-    except OSError as e:
-        error = f"rank {comm.Get_rank()}: {e}"
-    gathered = comm.gather((files, error), root=0)
-    if comm.Get_rank() == 0:
-        error = next((e for _, e in gathered if e), None)
-        try:
-            if error is None:
-                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
-                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
-                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)  # atomic: the checkpoint is now complete
-                fd = os.open(root, os.O_RDONLY)
-                os.fsync(fd)  # make the rename itself durable
-                os.close(fd)
-                for old in checkpoints(root)[:-keep]:
-                    shutil.rmtree(old)
-        except OSError as e:
-            error = f"rank 0: {e}"
-    error = comm.bcast(error, root=0)
-    if error is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = (checkpoints(root) or ["none"])[-1]
-        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
-                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
-
-def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
-    """The latest complete checkpoint's manifest and the shard this rank needs, verified.
-    Any problem on any rank is a ConfigError on every rank."""
-    error = manifest = shard = None
-    try:
-        found = checkpoints(root)
-        if not found:
-            raise ConfigError(f"--resume: no complete checkpoint in {root} (no step-N/manifest.json); "
-                              f"start without --resume to create one")
-        path = found[-1]
-        with open(os.path.join(path, "manifest.json")) as stream:
-            manifest = json.load(stream)
-        if manifest["strategy"] != STRATEGY:
-            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
-        if manifest["step"] >= steps:
-            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
-                              f"train; ask for more steps to continue")
-        if same_world_size and manifest["world_size"] != comm.Get_size():
-            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
-                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
-        if manifest["config"] != config:
-            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
-        name = shard_name(manifest)
-        if sha256(os.path.join(path, name)) != manifest["files"][name]:
-            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
-        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
-    except ConfigError as e:
-        error = str(e)
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
-        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
-    errors = [e for e in comm.allgather(error) if e]
-    if errors:
-        raise ConfigError(errors[0])
-    return manifest, shard
-
-# --- Counters and timeline: measured around the strategy's own MPI calls -----
-class Timeline:
-    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
-    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
-    (step_record), so that timing never stalls the device in the middle of a step."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
-        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
-
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def _seconds(self, mark):
-        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
-
-    @contextlib.contextmanager
-    def span(self, cat, name):
-        start, children = self._mark(), []
-        self.open.append(children)
-        try:
-            yield
-        finally:
-            self.open.pop()
-            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
-
-    def step_record(self, start):
-        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
-        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
-        if self.cuda:
-            torch.cuda.synchronize()  # once a step: every event of the step has happened
-        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
-
-        def own_time(name, cat, start_mark, end_mark, children):
-            begin, end = self._seconds(start_mark), self._seconds(end_mark)
-            self.events.append((name, cat, begin, end))
-            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
-            return end - begin
-
-        for span in self.closed:
-            own_time(*span)
-        self.closed = []
-        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
-        return record
-
-class CountedComm:
-    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
-    way the buffer methods are counted (calls, bytes, by name) and timed as 'comm' spans. Their
-    requests' Wait polls with short sleeps (MPICH's Wait spins and takes the core of a rank that
-    computes) in a span: a point-to-point wait is the peer's lateness (idle), a collective's is comm."""
-
-    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
-               "Allgather", "Iallgather", "Reduce_scatter_block", "Ireduce_scatter_block"}
-
-    def __init__(self, comm, timeline):
-        self.comm, self.timeline = comm, timeline
-        self.calls, self.bytes = collections.Counter(), collections.Counter()
-
-    def reset(self):
-        self.calls.clear(), self.bytes.clear()
-
-    def __getattr__(self, name):
-        call = getattr(self.comm, name)
-        if name not in self.COUNTED:
-            return call
-
-        def counted(*args, **kwargs):
-            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
-            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
-            self.calls[name] += 1
-            self.bytes[name] += buffer.numel() * buffer.element_size()
-            with self.timeline.span("comm", name):
-                result = call(*args, **kwargs)
-            if not isinstance(result, MPI.Request):
-                return result
-            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
-        return counted
-
-class CountedRequest:
-    def __init__(self, request, timeline, cat, name):
-        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
-
-    def Test(self):
-        return self.request.Test()
-
-    def Wait(self):
-        with self.timeline.span(self.cat, self.name + " wait"):
-            while not self.request.Test():
-                time.sleep(POLL_S)
-
-# --- Device and MPI setup -----------------------------------------------------
-def setup(comm, args):
-    """This rank's device, whether MPI reads its memory, the timeline, and the header's facts."""
-    global CUDA_AWARE
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
-    local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
-    if args.device == "cuda" or (args.device == "auto" and gpus):
-        device = torch.device("cuda", local_rank % gpus)
-        torch.cuda.set_device(device)
-        check_thread_level(MPI.Query_thread())
-        CUDA_AWARE = mpi_cuda_aware(comm)
-        if args.check:  # float32 against float32: no TF32 in the run or in the reference
-            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
-        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
-        shared = f"note: {local_size} ranks share {gpus} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)"
-    else:
-        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
-        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
-        shared = f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns"
-    comm.Barrier()  # the timeline's zero, about the same moment on every rank
-    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
-              f"CUDA buffers: {transport}"] + ([shared] if local_size > (gpus if device.type == "cuda" else cores) else [])
-    return types.SimpleNamespace(device=device, timeline=Timeline(device), header=header)
-
-def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
-    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
-    try:
-        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
-    except (MPI.Exception, NotImplementedError, AttributeError):
-        kinds = None
-    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
-    forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced == "1" and says is False:
-        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
-                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
-                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
-    return forced == "1" if forced in ("0", "1") else bool(says)
-
-def cuda_in_kinds(kinds):
-    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
-    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
-    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
-
-def mpix_query_cuda_support():
-    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
-    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
-    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
-        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
-        if query is not None:
-            return bool(query())
-    return None
-
-def check_thread_level(provided):
-    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
-    if provided < MPI.THREAD_SERIALIZED:
-        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
-                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
-                          f"keep mpi4py.rc.thread_level at its default, 'multiple'")
-
-def mpi_library():
-    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
-    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
-    return text.strip().splitlines()[0].strip()
-
-def inject_failure(comm, step, during="step", model=None):
-    """Testing aid: FAIL_AT=RANK:STEP:HOW[:save] (RANK a number, or * for all): at the start of
-    that step, or while saving its checkpoint, raise an exception, kill (SIGKILL), oserror (a
-    full disk), or nudge (move one parameter by 10x the tolerance: the check must FAIL)."""
-    spec = os.environ.get("FAIL_AT", "")
-    rank, at, how, *where = spec.split(":") if spec else ("", -1, "", "")
-    if rank not in ("*", str(comm.Get_rank())) or int(at) != step or (where or ["step"])[0] != during:
-        return
-    if how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if how == "oserror":
-        raise OSError(errno.ENOSPC, f"No space left on device (injected: FAIL_AT={spec})")
-    if how != "nudge":
-        raise RuntimeError(f"injected failure (FAIL_AT={spec})")
-    with torch.no_grad():
-        next(model.parameters()).view(-1)[0] += 10 * TOLERANCE
-
-# --- Arguments, and the paths a run will write, checked before anything is built
-class ConfigError(Exception):
-    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
-    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
-
-    def __init__(self, message, status=2):
-        super().__init__(message)
-        self.status = status
-
-class Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage on every rank."""
-
-    def error(self, message):
-        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
-                          else message)
-
-    def _print_message(self, message, file=None):
-        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
-            super()._print_message(message, file)
-
-def checked(kind, ok, must):
-    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
-        return value
-    return parse
-
-COUNT = checked(int, lambda v: v > 0, "a positive integer")
-COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
-AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
-
-def common_arguments(description, steps, batch_size, lr, log_every):
-    p = Parser(description=description)
-    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
-    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
-    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
-    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                   help="compare with single-process training (default: on)")
-    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
-    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
-    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
-    return p
-
-def check_common(args):
-    if args.resume and not args.save:
-        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
-    if args.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
-    return args
+def sends_in_flight(events):
+    """overlap's sends_in_flight_during_compute in the step of `events` (this rank's timeline), as
+    [n, total]. A send is in flight from its Isend until the rank next blocks in a Wait on a send
+    (a Test, which never blocks, does not end it); n: the sends in whose flight a forward, a backward or a W
+    began, that is, the rank computed instead of waiting for them. The schedule decides it, not the library's speed: every send
+    that has a computation after it in the rank's list of actions, since the step waits for its
+    sends at its end only."""
+    compute = [b for name, cat, b, _ in events if cat == "compute" and name != "optimizer"]
+    waits = sorted(b for name, _, b, _ in events if name == "Isend wait") + [math.inf]
+    flights = [(b, next(w for w in waits if w >= b)) for name, _, b, _ in events if name == "Isend"]
+    return [sum(any(lo <= c < hi for c in compute) for lo, hi in flights), len(flights)]
 
 def parse_args(argv, world_size):
     p = common_arguments("Pipeline parallelism over MPI: a small GPT on Python's own source.",
@@ -1297,6 +925,470 @@ def parse_args(argv, world_size):
                              f"a --batch-size multiple of {world_size}") + f", not {args.micro_batches}")
     return args
 
+# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
+def max_difference(losses, state, ref_losses, ref_model):
+    """Largest |difference| in the losses and in the tensors of `state` (a state dict of the
+    whole model or of a part of it) against the reference model's; a NaN anywhere is infinite."""
+    ref_state = ref_model.state_dict()
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)] + [
+        (t.detach().double().cpu() - ref_state[name].double().cpu()).abs().max().item() for name, t in state.items()]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+
+# --- Report: progress, the summary and --json, --trace -----------------------
+def print_progress(comm, args, step, loss, record):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
+                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+
+def finish(comm, args, run, losses, records, diff, compared, lines, keys):
+    """The summary: the file's own `lines`, the split of a step (medians over the steps after the
+    first, of the slowest rank), the peak memory each rank measured, the overlap counts of the
+    last step (keys['overlap']) and the check's verdict; then --json, the house keys and the
+    file's `keys`. Returns the exit status: 1 when the check exceeds the tolerance."""
+    medians = [{k: statistics.median(r[k] for r in (mine[1:] or mine)) for k in mine[0]}
+               for mine in comm.allgather(records)]
+    slowest = max(medians, key=lambda m: m["step_s"])
+    peaks = comm.allgather(run.memory.bytes)
+    ok = diff is None or diff <= TOLERANCE
+    overlap = keys.get("overlap") or {}
+    print0(comm, *lines,
+           f"median step {slowest['step_s'] * 1e3:.1f} ms: compute {slowest['compute_s'] * 1e3:.1f} | "
+           f"comm {slowest['comm_s'] * 1e3:.1f} | idle {slowest['idle_s'] * 1e3:.1f} ms (slowest rank)",
+           f"peak memory per rank ({run.memory.what}): {' | '.join(f'{p / 1e6:.2f}' for p in peaks)} MB",
+           *(["overlap, last step (started in time / all): "
+              + ", ".join(f"{name} {n}/{total}" for name, (n, total) in overlap.items())] if overlap else []),
+           *([f"check against single-process training: max |diff| {diff:.2e} ({compared}; tolerance "
+              f"{TOLERANCE:g}) -> {'PASS' if ok else 'FAIL'}"] if diff is not None else []))
+    if args.json:
+        print0(comm, json.dumps({
+            "strategy": STRATEGY, "world_size": comm.Get_size(), "device": run.device.type,
+            "steps": args.steps, "losses": losses, "final_loss": losses[-1],
+            "step_time_s": slowest["step_s"], "compute_s": slowest["compute_s"], "comm_s": slowest["comm_s"],
+            "idle_s": slowest["idle_s"], "check_max_abs_diff": diff, "peak_memory_bytes_per_rank": peaks, **keys}))
+    return 0 if ok else 1
+
+def write_trace(comm, timeline, path):
+    """Chrome trace-event JSON: one track (pid) per rank; opens in Perfetto or chrome://tracing."""
+    events = comm.gather(timeline.events, root=0)
+    if comm.Get_rank() == 0:
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(events))]
+        trace += [{"name": name, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": start * 1e6,
+                   "dur": (end - start) * 1e6} for r, spans in enumerate(events) for name, cat, start, end in spans]
+        with open(path, "w") as out:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
+
+def print0(comm, *lines, file=None):
+    if comm.Get_rank() == 0:  # rank 0 alone prints (on sys.stdout as it is now, or on file)
+        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
+
+# --- Checkpoints: a folder appears whole or not at all; a signal stops at a step's end
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a batch system's time limit, or its warning
+stop_requested = []  # the signals this rank received
+
+def checkpoint_if_due(comm, args, step, make_shard, config):
+    """At the end of `step`: save when --save-every or the last step says so, or when any rank got
+    SIGTERM or SIGUSR1 (the ranks agree on it here, so all stop after the same step); after a
+    signal's save, end the job with status 0. make_shard() gives this rank's shard (collective)."""
+    stop = comm.allreduce(bool(stop_requested), op=MPI.LOR) and step + 1 < args.steps
+    if args.save and (stop or step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+        save_checkpoint(comm, args.save, step + 1, make_shard(), config)
+    if stop:
+        print0(comm, f"stopped by a signal after step {step + 1} of {args.steps}: " +
+               (f"checkpoint saved in {args.save}; rerun with --resume to continue" if args.save
+                else "nothing saved (no --save)"))
+        sys.exit(0)
+
+def checkpoints(root):
+    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
+    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
+    return [os.path.join(root, n) for n in names]
+
+def write_durably(path, data):
+    with open(path, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+def save_checkpoint(comm, root, step, shard, config, keep=2):
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
+    manifest and renames the folder to step-N: a job killed before the rename leaves the
+    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
+    every rank with one line, the previous checkpoint whole."""
+    final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    files, error = {}, None
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    comm.Barrier()
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        if shard is not None:
+            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
+            torch.save(shard, stream)
+            write_durably(os.path.join(tmp, name), stream.getvalue())
+            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+    except OSError as e:
+        error = f"rank {comm.Get_rank()}: {e}"
+    gathered = comm.gather((files, error), root=0)
+    if comm.Get_rank() == 0:
+        error = next((e for _, e in gathered if e), None)
+        try:
+            if error is None:
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
+                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # atomic: the checkpoint is now complete
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)  # make the rename itself durable
+                os.close(fd)
+                for old in checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (checkpoints(root) or ["none"])[-1]
+        raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
+                          f"one ({previous}) is whole: make room and rerun with --resume", status=1)
+
+def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
+    """The latest complete checkpoint's manifest and the shard this rank needs, verified; (None,
+    None) when root holds none yet (a batch job's first run), which rank 0 says. Any problem on
+    any rank is a ConfigError on every rank."""
+    error = manifest = shard = None
+    try:
+        found = checkpoints(root)
+        if not found:
+            print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
+            return None, None
+        path = found[-1]
+        with open(os.path.join(path, "manifest.json")) as stream:
+            manifest = json.load(stream)
+        if manifest["strategy"] != STRATEGY:
+            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
+        if manifest["step"] >= steps:
+            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
+                              f"train; ask for more steps to continue")
+        if same_world_size and manifest["world_size"] != comm.Get_size():
+            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
+                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
+        if manifest["config"] != config:
+            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
+        name = shard_name(manifest)
+        with open(os.path.join(path, name), "rb") as stream:
+            digest = hashlib.sha256(stream.read()).hexdigest()
+        if digest != manifest["files"][name]:
+            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
+        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except ConfigError as e:
+        error = str(e)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return manifest, shard
+
+# --- Counters, timeline and memory: measured around the strategy's own work ---
+class Timeline:
+    """Spans of compute, comm and idle time on one rank, for the summary and --trace; a span's
+    own time leaves out its children's. On a GPU the edges are CUDA events, read once a step
+    (step_record), so that timing never stalls the device in the middle of a step."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.origin_s, self.origin = time.perf_counter(), self._mark()  # the trace's zero
+        self.open, self.closed, self.events = [], [], []  # events: (name, cat, start_s, end_s)
+        self.step_events = []  # the events of the last recorded step
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, mark):
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin_s
+
+    @contextlib.contextmanager
+    def span(self, cat, name):
+        start, children = self._mark(), []
+        self.open.append(children)
+        try:
+            yield
+        finally:
+            self.open.pop()
+            (self.open[-1] if self.open else self.closed).append((name, cat, start, self._mark(), children))
+
+    def step_record(self, start):
+        """Close the step begun at perf_counter() `start`: its time, and its spans' own time by
+        kind; wait: spans spent waiting on a peer; idle: all that is neither compute nor comm."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once a step: every event of the step has happened
+        record = {"step_s": time.perf_counter() - start, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+        first = len(self.events)
+
+        def own_time(name, cat, start_mark, end_mark, children):
+            begin, end = self._seconds(start_mark), self._seconds(end_mark)
+            self.events.append((name, cat, begin, end))
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            return end - begin
+
+        for span in self.closed:
+            own_time(*span)
+        self.closed, self.step_events = [], self.events[first:]
+        record["idle_s"] = max(0.0, record["step_s"] - record["compute_s"] - record["comm_s"])
+        return record
+
+def started_within(events, exchange, compute):
+    """[n, total]: of the spans named `exchange` (a name or a tuple of names), how many began
+    while a span named `compute` (likewise) was running: started in time to hide behind it."""
+    names = lambda x: (x,) if isinstance(x, str) else tuple(x)
+    running = [(begin, end) for name, _, begin, end in events if name in names(compute)]
+    starts = [begin for name, _, begin, _ in events if name in names(exchange)]
+    return [sum(any(lo <= s < hi for lo, hi in running) for s in starts), len(starts)]
+
+class CountedComm:
+    """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
+    way the buffer methods are counted (calls, bytes of the first buffer, by name) and timed as
+    'comm' spans. Their requests' Wait polls with short sleeps (MPICH's Wait spins on the core of
+    a rank that computes): a point-to-point wait is the peer's lateness (idle), a collective's comm."""
+
+    COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
+               "Allgather", "Iallgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
+               "Ireduce_scatter_block", "Alltoall", "Alltoallv", "Ialltoallv"}
+
+    def __init__(self, comm, timeline):
+        self.comm, self.timeline = comm, timeline
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def reset(self):
+        self.calls.clear(), self.bytes.clear()
+
+    def __getattr__(self, name):
+        call = getattr(self.comm, name)
+        if name not in self.COUNTED:
+            return call
+
+        def counted(*args, **kwargs):
+            buffer = args[1] if args[0] is MPI.IN_PLACE else args[0]
+            buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+            self.calls[name] += 1
+            self.bytes[name] += buffer.numel() * buffer.element_size()
+            with self.timeline.span("comm", name):
+                result = call(*args, **kwargs)
+            if not isinstance(result, MPI.Request):
+                return result
+            return CountedRequest(result, self.timeline, "idle" if name in ("Isend", "Irecv") else "comm", name)
+        return counted
+
+class CountedRequest:
+    def __init__(self, request, timeline, cat, name):
+        self.request, self.timeline, self.cat, self.name = request, timeline, cat, name
+
+    def Test(self):
+        return self.request.Test()
+
+    def Wait(self):
+        with self.timeline.span(self.cat, self.name + " wait"):
+            while not self.request.Test():
+                time.sleep(POLL_S)
+
+class PeakMemory:
+    """The most memory this rank held while training, less what it held before the model was
+    built. CUDA: the allocator's peak. CPU: the peak resident set (VmHWM) less its file-backed
+    pages (torch's code, loaded as kernels are first used), which means something because
+    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process."""
+
+    def __init__(self, device):  # before the model is built
+        __import__("torch._dynamo")  # torch's first optimizer imports it: 60+ MB of Python, not training
+        self.cuda = device.type == "cuda"
+        self.what = "CUDA allocator's peak" if self.cuda else "peak resident set less code, less the process before the model"
+        self.baseline = 0 if self.cuda else proc_status("VmRSS") - proc_status("RssFile")
+
+    def reset(self):
+        """From here on: the peak of training, not that of building the model."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # Linux: the peak resident set starts again from the current one
+
+    def stop(self):
+        """The peak until now: the check and the report that follow training do not count."""
+        self.bytes = (torch.cuda.max_memory_allocated() if self.cuda else
+                      max(0, proc_status("VmHWM") - proc_status("RssFile") - self.baseline))
+
+def proc_status(key):
+    """A size from /proc/self/status in bytes (Linux; 0 elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) * 1024 for line in status if line.startswith(key + ":")), 0)
+    return 0
+
+# --- Device and MPI setup -----------------------------------------------------
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+def launcher_local_rank():
+    """This rank's index on its node, as the launcher tells it (Open MPI, Slurm, MPICH, MVAPICH)."""
+    return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+
+def start_mpi():
+    """Before MPI starts: give freed memory back to the system at once (glibc otherwise keeps
+    freed blocks of up to 32 MB, and the resident set would never fall), and choose this rank's
+    GPU, since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI
+    with threads: on a GPU, autograd calls MPI from a thread of its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
+    local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
+    if local is not None and not cpu and torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not MPI.Is_initialized():  # the level mpi4py.rc.thread_level asks for (MPI4PY_RC_THREAD_LEVEL)
+        MPI.Init_thread(getattr(MPI, "THREAD_" + mpi4py.rc.thread_level.upper()))
+
+def setup(comm, args):
+    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
+    signal handlers, and the header's facts."""
+    global CUDA_AWARE
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    launcher = launcher_local_rank()
+    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    notes = [f"note: the launcher says local rank {launcher}, the node's ranks say {local_rank}"] if launcher not in (None, local_rank) else []
+    if args.device == "cuda" or (args.device == "auto" and gpus):
+        device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
+        torch.cuda.set_device(device)
+        check_thread_level(MPI.Query_thread())
+        CUDA_AWARE = mpi_cuda_aware(comm)
+        if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
+            try:
+                torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
+            except AttributeError:  # torch before 2.9
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
+        if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
+            notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
+    else:
+        device, CUDA_AWARE, transport = torch.device("cpu"), False, "n/a (CPU)"
+        torch.set_num_threads(max(1, cores // local_size))  # oversubscribed ranks would thrash
+        if local_size > cores:
+            notes.append(f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns")
+    node.Free()
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda number, frame: stop_requested.append(number))
+    comm.Barrier()  # the timeline's zero, about the same moment on every rank
+    header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
+              f"CUDA buffers: {transport}"] + notes
+    return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
+
+def mpi_cuda_aware(comm):
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
+    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        kinds = None
+    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    forced = os.environ.get("MPI_CUDA_AWARE")
+    if forced == "1" and says is False:
+        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
+                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
+                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
+    return forced == "1" if forced in ("0", "1") else bool(says)
+
+def cuda_in_kinds(kinds):
+    """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
+    at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
+    return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
+
+def mpix_query_cuda_support():
+    """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
+    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
+    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    return None
+
+def check_thread_level(provided):
+    """On a GPU, autograd runs backward hooks and autograd functions on a thread of its own."""
+    if provided < MPI.THREAD_SERIALIZED:
+        raise ConfigError(f"MPI runs at thread level {provided}, but on a GPU MPI is called from autograd's "
+                          f"thread: MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}) or more is needed; "
+                          f"keep mpi4py.rc.thread_level (MPI4PY_RC_THREAD_LEVEL) at its default, 'multiple'")
+
+def mpi_library():
+    """The first line of the library's version, printable characters only (Open MPI's ends in NUL)."""
+    text = "".join(c for c in MPI.Get_library_version() if c.isprintable() or c == "\n")
+    return text.strip().splitlines()[0].strip()
+
+
+# --- Arguments, and the paths a run will write, checked before anything is built
+class ConfigError(Exception):
+    """A problem every rank finds alike: rank 0 prints one `error:` line, every rank exits with
+    `status`: 2 for an impossible configuration, 1 for a checkpoint that could not be written."""
+
+    def __init__(self, message, status=2):
+        super().__init__(message)
+        self.status = status
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage on every rank."""
+
+    def error(self, message):
+        raise ConfigError(message.replace("argument ", "", 1).replace(": must", " must") if ": must" in message
+                          else message)
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
+            super()._print_message(message, file)
+
+def checked(kind, ok, must):
+    """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
+    def parse(text):
+        value = kind(text)  # a ValueError is argparse's own "invalid int value: 'x'"
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {value}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+COUNT = checked(int, lambda v: v > 0, "a positive integer")
+COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
+AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+
+def common_arguments(description, steps, batch_size, lr, log_every):
+    p = Parser(description=description)
+    p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
+    p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with single-process training (default: on)")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
+    p.add_argument("--save-every", type=COUNT_OR_0, default=0, help="also checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    return p
+
+def check_common(args):
+    if args.resume and not args.save:
+        raise ConfigError("--resume needs --save DIR, the folder that holds the checkpoints")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return args
+
+
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
     missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
@@ -1330,5 +1422,6 @@ def abort_on_exception(kind, value, tb):
     MPI.COMM_WORLD.Abort(1)
 
 if __name__ == "__main__":
+    start_mpi()
     sys.excepthook = abort_on_exception
     sys.exit(main())

@@ -1,6 +1,7 @@
 """model_parallel.py: the layer split, one step under MPI against one process, the script end to end."""
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ def test_stages_hold_every_parameter_once(layers, n):
 
 
 def train_split(args, comm):
-    """The pieces main() uses, without the report: the losses (on every rank) and this rank's stage."""
+    """The pieces main() uses, without the report: the losses (on every rank), this rank's stage,
+    and the timeline."""
     n, rank = comm.Get_size(), comm.Get_rank()
     device = torch.device("cpu")
     # A fair share of the cores for every rank of the job, not only of this sub-communicator.
@@ -49,15 +51,19 @@ def train_split(args, comm):
     optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
     shapes = mp.agree_shapes(stage, comm, args.batch_size, args.seq_len, device)
     counted = mp.CountedComm(comm, timeline)  # its waits sleep between polls, as in a run
-    losses = [mp.train_step(stage, optimizer, *mp.make_batch(args.seed, step, args.batch_size, args.seq_len),
-                            shapes, counted, timeline) for step in range(args.steps)]
-    return comm.bcast(losses, root=n - 1), stage
+    losses = []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        losses.append(mp.train_step(stage, optimizer, *mp.make_batch(args.seed, step, args.batch_size, args.seq_len),
+                                    shapes, counted, timeline))
+        timeline.step_record(start)
+    return comm.bcast(losses, root=n - 1), stage, timeline
 
 
 def check_against_reference(comm, size):
     for layers in sorted({size, 5}):  # divisible by the world size or not
         args = mp.parse_args(TINY + ["--layers", str(layers)], size)
-        losses, stage = train_split(args, comm)
+        losses, stage, _ = train_split(args, comm)
         reference = mp.reference_training(args)  # every rank's own, to compare without check()
         ref_stage = mp.stage_of(reference[1], comm.Get_rank(), size)
         diff = max([abs(a - b) for a, b in zip(losses, reference[0])] +
@@ -83,7 +89,7 @@ def nudged_checks(comm, size):
     little more than the tolerance (its last element: a check that skipped a parameter, a rank, the
     end of a stage or the losses would miss one)."""
     args = mp.parse_args(TINY + ["--layers", "5"], size)
-    losses, stage = train_split(args, comm)
+    losses, stage, _ = train_split(args, comm)
     reference = mp.reference_training(args) if comm.Get_rank() == 0 else None
     nudge = 1.5 * mp.TOLERANCE
     found = {"none": mp.check(comm, args, losses, stage, reference)}
@@ -115,20 +121,40 @@ def test_check_reports_every_nudged_parameter_and_loss(size):
             assert agree(not missed and len(found) == params + 1, comm), missed
 
 
+@pytest.mark.mpi
+def test_no_send_flies_while_a_rank_computes():
+    """The lesson: one rank busy at a time. Each hand-off is waited for before the rank computes
+    again, so overlap's sends_in_flight_during_compute is 0 of this rank's sends (one to each
+    neighbour). A send left in flight over the backward, as a pipeline's are, would count."""
+    with sub_comm(3) as comm:
+        if comm is not None:
+            args = mp.parse_args(TINY + ["--layers", "3", "--steps", "1"], 3)
+            rank, timeline = comm.Get_rank(), train_split(args, comm)[-1]
+            count = mp.sends_in_flight(timeline.step_events)
+            assert agree(count == [0, (rank > 0) + (rank < 2)], comm), count
+
+
 @pytest.mark.e2e
 def test_launches_agree_across_world_sizes(tmp_path):
+    """Each world size as a user runs it, checked against one process. The run at -np 3 goes through
+    STAGE_ALL=1 (tests/inject.py): every buffer handed to MPI is a host copy (mpi_buffer) and every
+    receive lands in a fresh host buffer (mpi_receive_buffer), as on a GPU with an MPI that cannot
+    read GPU memory, so that every copy back (from_mpi) runs."""
     runs = {}
     for np_, layers in [(1, 4), (2, 4), (3, 4), (4, 4)]:  # 4 layers: 3 ranks split them unevenly
         extra = ["--trace", tmp_path / "trace.json"] if np_ == 4 else []
-        out = launch("model_parallel.py", np_, "--steps", 4, "--seed", 2, "--layers", layers, "--json", *extra)
+        out = launch("model_parallel.py", np_, "--steps", 4, "--seed", 2, "--layers", layers, "--json", *extra,
+                     env=clean_env(STAGE_ALL=1) if np_ == 3 else None)
         runs[np_, layers] = result = last_json(out)
         assert result["check_max_abs_diff"] <= mp.TOLERANCE and "-> PASS" in out.stdout
         assert "rank 0 | F" in out.stdout and "measured timeline" in out.stdout
         assert ("pipeline_parallel.py" in out.stdout) == (np_ > 1)
         assert len(result["busy_fraction"]) == np_ and all(0 < b <= 1 for b in result["busy_fraction"])
-        assert sum(result["param_bytes"]) * 2 == result["single_process_bytes"]
-        assert result["optimizer_state_bytes"] == result["param_bytes"]  # SGD momentum: one buffer each
+        assert sum(result["param_bytes"]) * 3 == result["single_process_bytes"]
+        assert result["optimizer_state_bytes"] == result["grad_bytes"] == result["param_bytes"]  # SGD momentum
         assert result["comm_bytes_per_step"] == 2 * (np_ - 1) * 16 * 64 * 64 * 4
+        assert result["overlap"] == {"sends_in_flight_during_compute": [0, 2 * (np_ - 1)]}
+        assert len(result["peak_memory_bytes_per_rank"]) == np_ and "measured peak" in out.stdout
     base = runs[1, 4]["losses"]
     for key, result in runs.items():
         assert max(abs(a - b) for a, b in zip(result["losses"], base)) <= mp.TOLERANCE, key
@@ -153,8 +179,9 @@ def test_bad_configuration_exits_2_with_one_line_that_names_what_works(argv, wor
 
 @pytest.mark.e2e
 def test_a_nudged_parameter_fails_the_check():
-    """The negative control as a user would see it: FAIL_AT=RANK:STEP:nudge moves one parameter of
-    that rank's stage by 10x the tolerance during training; the check must say FAIL and exit 1."""
+    """The negative control as a user would see it: FAIL_AT=2:1:nudge (tests/inject.py) moves the
+    first parameter of rank 2's stage by 10x the tolerance at the end of step 0; the check must say
+    FAIL and exit 1."""
     out = launch("model_parallel.py", 3, *TINY, "--layers", 3, "--json",
                  env=clean_env(FAIL_AT="2:1:nudge", CUDA_VISIBLE_DEVICES=""))
     assert out.returncode == 1 and "-> FAIL" in out.stdout, out.stdout + out.stderr
@@ -163,13 +190,13 @@ def test_a_nudged_parameter_fails_the_check():
 
 @pytest.mark.e2e
 def test_each_rank_holds_its_stage_not_the_whole_model():
-    """A GPT of about 100 MB of parameters at -np 4: each rank's resident memory in training, less
+    """A GPT of about 100 MB of parameters at -np 4: each rank's measured peak in training, less
     that of the same run with a tiny model, at most 1.2x the whole model's parameter bytes. A quarter
     of the layers with its gradients and momentum is 0.75x; ranks that kept the whole model measured
     1.7x to 1.8x in this test. Two sequences a batch, so that the activations (at --batch-size 16
     about as large as the parameters) do not hide what a rank keeps."""
     flags = ["--layers", 8, "--heads", 8, "--batch-size", 2, "--steps", 2, "--no-check", "--json"]
     big, tiny = (last_json(launch("model_parallel.py", 4, "--hidden", h, *flags)) for h in (512, 16))
-    params = big["single_process_bytes"] / 2
-    growth = [(b - t) / params for b, t in zip(big["resident_bytes"], tiny["resident_bytes"])]
+    params = big["single_process_bytes"] / 3
+    growth = [(b - t) / params for b, t in zip(big["peak_memory_bytes_per_rank"], tiny["peak_memory_bytes_per_rank"])]
     assert all(0.5 <= g <= 1.2 for g in growth), growth  # 0.5: the measure does see the stage

@@ -1,6 +1,8 @@
 """pipeline_parallel.py: the schedules on paper, the training step under MPI, the script end to end."""
 import json
 import os
+import time
+import types
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import pipeline_parallel as pp
 from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
 
 SCHEDULES = sorted(pp.SCHEDULES)
+TAG_UB = world().Get_attr(pp.MPI.TAG_UB)  # the library's bound, the same in the launched jobs
 GRID = [(n, m) for n in range(1, 7) for m in (1, 2, 3, 5, 8, 13)]  # M below, at and above N
 # 9 blocks: N x V stages that do not divide them (2 x 2, 4 x 2, 3 x 2, 4...) and some that do.
 SMALL = ["--layers", "8", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--batch-size", "12"]
@@ -168,26 +171,30 @@ def test_layer_split_is_contiguous_complete_and_balanced(layers, n):
 # -----------------------------------------------------------------------------
 # The training step under MPI, on sub-communicators of every size
 # -----------------------------------------------------------------------------
-def train_pipeline(args, comm):
-    """The pieces main() uses, without the report: losses (on every rank), stage, meter, ranks."""
+def train_pipeline(args, comm, network=lambda comm: comm):
+    """The pieces main() uses, without the report: losses (on every rank), stage, meter, ranks,
+    and the timeline. The steps talk through network(the counting communicator)."""
     n, rank = comm.Get_size(), comm.Get_rank()
     device = torch.device("cpu")
     # A fair share of the cores for every rank of the job, not only of this sub-communicator:
     # two threads each on a busy 2-core machine make small kernels crawl.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
     timeline = pp.Timeline(device)
-    counted = pp.CountedComm(comm, timeline)
     v = args.virtual_stages
+    counted = network(pp.CountedComm(comm, timeline))
     ranks = [pp.stage_rank(args.schedule, n, s) for s in range(n * v)]
     actions = pp.SCHEDULES[args.schedule](n, args.micro_batches, rank, v)
     stage = pp.build_stage(args, ranks, rank, device, args.schedule in ("zb-h1", "zbv"))
     optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
     meter = pp.ActivationMeter(stage)
-    losses = [pp.train_step(stage, optimizer, actions, ranks,
-                            *pp.make_batch(args.seed, step, args.batch_size, args.seq_len),
-                            args.micro_batches, counted, meter, timeline)
-              for step in range(args.steps)]
-    return comm.bcast(losses, root=ranks[-1]), stage, meter, ranks
+    losses = []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        losses.append(pp.train_step(stage, optimizer, actions, ranks,
+                                    *pp.make_batch(args.seed, step, args.batch_size, args.seq_len),
+                                    args.micro_batches, counted, meter, timeline))
+        timeline.step_record(start)
+    return comm.bcast(losses, root=ranks[-1]), stage, meter, ranks, timeline
 
 
 @pytest.mark.mpi
@@ -204,7 +211,7 @@ def check_against_reference(comm, size, name):
     ms = [m for m in (size, 2 * size) if 12 % m == 0] if name == "interleaved" else sorted({max(1, size - 1), 6})
     for m in ms:
         args = pp.parse_args(TINY + ["--micro-batches", str(m), "--schedule", name], size)
-        losses, stage, meter, ranks = train_pipeline(args, comm)
+        losses, stage, meter, ranks, _ = train_pipeline(args, comm)
         ref_losses, ref_model = pp.reference_training(args)
         ref = torch.cat([p.detach().reshape(-1) for s in range(len(ranks)) if ranks[s] == comm.Get_rank()
                          for p in ref_model[pp.stage_slice(args.layers, s, len(ranks))].parameters()])
@@ -230,10 +237,68 @@ def test_activations_kept_after_their_backward_are_seen():
             torch.Tensor.backward = lambda self, *a, **k: (kept.append(self), original(
                 self, *a, **{**k, "retain_graph": True}))[1]
             try:
-                _, _, meter, _ = train_pipeline(args, comm)
+                _, _, meter, _, _ = train_pipeline(args, comm)
             finally:
                 torch.Tensor.backward = original
             assert agree(meter.peak_count == 4 and meter.live, comm)  # the bound is 2 and 1
+
+
+class EachSendWaitedAtOnce:
+    """The counting communicator, but the step waits for each send as soon as it starts it: the
+    overlap removed, as a step that called comm.Isend(...).Wait() would."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def Isend(self, *args, **kwargs):
+        request = self.comm.Isend(*args, **kwargs)
+        request.Wait()
+        return request
+
+
+def promised_in_flight(name, n, m, v):
+    """[n, total] over the ranks: of the sends to another rank, those with a computation after them in
+    their rank's list. The step waits for its sends at its end only, so the rank computes in their flight."""
+    ranks, count = [pp.stage_rank(name, n, s) for s in range(n * v)], [0, 0]
+    for rank in range(n):
+        actions = pp.SCHEDULES[name](n, m, rank, v)
+        for k, a in enumerate(actions):
+            if a.op.startswith("send_") and ranks[a.stage + (1 if a.op == "send_act" else -1)] != rank:
+                count[0] += any(b.op in pp.COST for b in actions[k + 1:])
+                count[1] += 1
+    return count
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_sends_fly_while_the_rank_computes_and_the_count_falls_when_each_is_waited_at_once(name):
+    """overlap's sends_in_flight_during_compute, from the timeline of the step: every send with a
+    computation after it in its rank's list; none when the step waits for each send at once."""
+    with sub_comm(3) as comm:
+        if comm is not None:
+            args = pp.parse_args(TINY + ["--micro-batches", "3", "--steps", "1", "--schedule", name], 3)
+            counts = {}
+            for label, network in (("overlapped", lambda c: c), ("waited at once", EachSendWaitedAtOnce)):
+                timeline = train_pipeline(args, comm, network)[-1]
+                counts[label] = [comm.allreduce(c) for c in pp.sends_in_flight(timeline.step_events)]
+            promised = promised_in_flight(name, 3, 3, args.virtual_stages)
+            assert promised[0] > 0 and counts == {"overlapped": promised, "waited at once": [0, promised[1]]}, counts
+
+
+def test_message_tags_stay_within_the_librarys_bound():
+    """Each message of a step has a tag of its own, 2 x M x S at most, and a run whose tags would pass
+    MPI_TAG_UB is refused (32767, the least bound MPI allows, stands in for the library's)."""
+    stages, m = 4, 5
+    tags = [pp.tag(kind, i, s, stages) for kind in ("act", "grad") for i in range(m) for s in range(stages)]
+    assert len(set(tags)) == len(tags) and min(tags) > 0 and max(tags) == 2 * m * stages
+    least = types.SimpleNamespace(Get_attr=lambda key: 32767 if key == pp.MPI.TAG_UB else None)
+    pp.check_tags(least, 4095, 4)  # tags up to 32760
+    with pytest.raises(pp.ConfigError, match="tags up to 32768, above this MPI's bound of 32767: use "
+                                             "--micro-batches 4095 or fewer"):
+        pp.check_tags(least, 4096, 4)
 
 
 # -----------------------------------------------------------------------------
@@ -241,12 +306,17 @@ def test_activations_kept_after_their_backward_are_seen():
 # -----------------------------------------------------------------------------
 @pytest.mark.e2e
 def test_launches_agree_across_world_sizes_schedules_and_micro_batches(tmp_path):
+    """Every schedule as a user runs it, each checked against one process. The zbv run (messages both
+    ways, and the V's turn on one rank) goes through STAGE_ALL=1 (tests/inject.py): every buffer
+    handed to MPI is a host copy, as on a GPU with an MPI that cannot read GPU memory, so that every
+    copy back (from_mpi) runs and every staged send must outlive its request."""
     runs = {}
     for np_, schedule, m in [(1, "gpipe", 4), (2, "interleaved", 4), (3, "zb-h1", 3), (4, "1f1b", 2),
                              (4, "zbv", 4)]:
         extra = ["--trace", tmp_path / "trace.json"] if schedule == "1f1b" else []
         out = launch("pipeline_parallel.py", np_, "--steps", 3, "--seed", 1, "--schedule", schedule,
-                     "--micro-batches", m, *SMALL, "--json", *extra, timeout=300)
+                     "--micro-batches", m, *SMALL, "--json", *extra, timeout=300,
+                     env=clean_env(STAGE_ALL=1) if schedule == "zbv" else None)
         runs[np_, schedule, m] = result = last_json(out)
         v = result["virtual_stages"]
         assert result["check_max_abs_diff"] <= pp.TOLERANCE and "-> PASS" in out.stdout
@@ -258,6 +328,10 @@ def test_launches_agree_across_world_sizes_schedules_and_micro_batches(tmp_path)
         assert crossings == {"zbv": 2 * (np_ - 1), "interleaved": np_ * v - 1}.get(schedule, np_ - 1)
         assert result["comm_bytes_per_step"] == 2 * crossings * 12 * 16 * 32 * 4  # B x T x H x 4
         assert result["messages_per_step"] == 2 * m * crossings
+        assert result["overlap"] == {"sends_in_flight_during_compute": promised_in_flight(schedule, np_, m, v)}
+        assert result["memory_formula_bytes"] == [a + b for a, b in zip(result["stage_state_bytes"],
+                                                                        result["peak_activation_bytes"])]
+        assert len(result["peak_memory_bytes_per_rank"]) == np_ and "measured peak" in out.stdout
     first = runs[1, "gpipe", 4]["losses"]
     for key, result in runs.items():
         assert max(abs(a - b) for a, b in zip(result["losses"], first)) <= pp.TOLERANCE, key
@@ -284,13 +358,13 @@ def test_killed_job_resumes_to_the_checked_result_under_the_chunked_and_split_sc
 
 @pytest.mark.e2e
 def test_each_rank_holds_its_stage_not_the_whole_model():
-    """Resident memory while training, less that of the same run with a tiny model, against the full
+    """The measured peak of training, less that of the same run with a tiny model, against the full
     model's parameter bytes: a quarter of the layers with gradients and momentum is about 0.75."""
     rss = {}
     for hidden in (16, 512):
         out = launch("pipeline_parallel.py", 4, "--layers", 8, "--hidden", hidden, "--heads", 8, "--seq-len", 8,
                      "--batch-size", 4, "--micro-batches", 4, "--steps", 2, "--no-check", "--json")
-        rss[hidden] = last_json(out)["resident_bytes"]
+        rss[hidden] = last_json(out)["peak_memory_bytes_per_rank"]
     full = 4 * sum(p.numel() for p in pp.build_model(pp.parse_args(
         ["--layers", "8", "--hidden", "512", "--heads", "8", "--seq-len", "8"], 1)).parameters())
     ratios = [(big - small) / full for big, small in zip(rss[512], rss[16])]
@@ -307,6 +381,8 @@ def test_each_rank_holds_its_stage_not_the_whole_model():
     (["--hidden", "30", "--heads", "4"], 1, "multiple of 4"),
     (["--seq-len", "1000000"], 1, "use at most"),
     (["--micro-batches", "0"], 1, "positive integer"),
+    (["--batch-size", TAG_UB // 8 + 1, "--micro-batches", TAG_UB // 8 + 1], 4,
+     f"use --micro-batches {TAG_UB // 8} or fewer"),  # 4 stages: tags up to 8M
 ])
 def test_bad_configuration_exits_2_with_one_line_that_names_what_works(argv, world, says):
     out = launch("pipeline_parallel.py", world, *argv, timeout=60)
@@ -315,7 +391,8 @@ def test_bad_configuration_exits_2_with_one_line_that_names_what_works(argv, wor
 
 @pytest.mark.e2e
 def test_a_nudged_parameter_fails_the_check():
-    """The negative control: one parameter of rank 1's stages moved by 10x the tolerance mid-run."""
+    """The negative control: FAIL_AT=1:1:nudge (tests/inject.py) moves the first parameter of rank 1 by
+    10x the tolerance at the end of step 0; the check must say FAIL and exit 1."""
     out = launch("pipeline_parallel.py", 2, *TINY, "--micro-batches", 2, "--schedule", "zbv", timeout=120,
                  env=clean_env(FAIL_AT="1:1:nudge"))
     assert out.returncode == 1 and "-> FAIL" in out.stdout, out.stdout + out.stderr
