@@ -38,7 +38,7 @@ the k-th and the (k+1)-th probability it met. Load balance (Switch): aux = alpha
 f_i the share of the (token, choice) pairs that chose expert i, P_i the mean router probability of
 expert i. f is counted over all N ranks' tokens (one Allreduce of E counts per layer): a mean of
 the ranks' products f_i P_i is not the product of the means. P needs no exchange: it is a mean over
-tokens, and the gradient allreduce takes the mean over the ranks. Every N and P train one loss.
+tokens, and the gradient allreduce takes the mean over the ranks. So every N and P train one loss.
 
 Capacity: dropless by default (Alltoallv carries any number of rows). --capacity-factor C lets an
 expert take at most ceil(C k n / E) pairs from each rank's n tokens, the first in token order; the
@@ -53,10 +53,10 @@ Communication per step, L blocks, n = (B/N) T tokens per rank, hidden h, float32
 Memory: each rank holds (E/P) L X expert parameters and the D dense ones.
 
 When to choose it: the parameters are mostly experts, too many to replicate on every device, and
-the ranks of a group have all-to-all bandwidth (NVLink within a node; GShard and DeepSeek place
-expert groups there): every MoE layer waits for two exchanges forward and two backward, each
-touching every rank of the group. With experts that fit everywhere, --ep 1 is plain data
-parallelism and exchanges no tokens.
+the ranks of a group have all-to-all bandwidth (NVLink within a node, or a fabric built for it):
+every MoE layer waits for two exchanges forward and two backward, each touching every rank of the
+group. --ep 1 is data parallelism with every expert on every rank: its all-to-alls only hand each
+rank's rows back to itself (the baseline to measure --ep P against).
 
 The text: the standard library's argparse.py, textwrap.py and shlex.py, bytes >= 128 as '?'.
 
@@ -88,7 +88,7 @@ import torch.nn.functional as F
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
-mpi4py.rc.finalize = True  # and ends at exit: mpirun kills the ranks still running when one exits unfinalized
+mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "expert_parallel"
@@ -138,11 +138,9 @@ def all_to_all(rows, send_rows, recv_rows, comm):
     width = rows.size(1)
     out = rows.new_empty(sum(recv_rows), width)
     send, recv = mpi_buffer(rows.detach().contiguous()), receive_buffer(out)
-
-    def counts_and_offsets(numbers):
-        counts = [r * width for r in numbers]
-        return counts, [sum(counts[:j]) for j in range(len(counts))]
-    comm.Alltoallv([send, counts_and_offsets(send_rows)], [recv, counts_and_offsets(recv_rows)])
+    counts = [[r * width for r in numbers] for numbers in (send_rows, recv_rows)]
+    offsets = [[sum(c[:j]) for j in range(len(c))] for c in counts]  # in elements, as the counts
+    comm.Alltoallv([send, (counts[0], offsets[0])], [recv, (counts[1], offsets[1])])
     return from_mpi(out, recv)
 
 
@@ -288,6 +286,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.aux_coef, self.capacity_factor = num_experts, top_k, aux_coef, capacity_factor
         self.ep_comm = self.stats_comm = None
         self.slices = 1  # the reference cuts its batch as the ranks do, for the capacity
+        self.choices = None  # --check: the choices a rank writes down, and one process follows
         self.aux = self.load = None  # the last forward's load-balancing loss and counts per expert
         self.register_buffer("dropped", torch.tensor(0), persistent=False)  # pairs, over the run
         self.register_buffer("min_gap", torch.tensor(math.inf), persistent=False)  # the router's, over the run
@@ -295,8 +294,10 @@ class MoE(nn.Module):
     def forward(self, x):
         tokens = x.reshape(-1, x.size(-1))
         probs, choice, gate, gap = route(tokens, self.router, self.top_k)
-        capacity = None if self.capacity_factor is None else math.ceil(
-            self.capacity_factor * self.top_k * len(tokens) / (self.slices * self.num_experts))
+        if self.choices is not None:
+            choice, gate = follow_choices(self, probs, choice, gate)
+        n = len(tokens) // self.slices  # one rank's tokens: the same expression in the reference
+        capacity = None if self.capacity_factor is None else math.ceil(self.capacity_factor * self.top_k * n / self.num_experts)
         keep = within_capacity(choice, self.num_experts, capacity, self.slices)
         self.aux, self.load = load_balancing_loss(probs, choice, self.num_experts, self.aux_coef, self.stats_comm)
         self.dropped, self.min_gap = self.dropped + (~keep).sum(), torch.minimum(self.min_gap, gap.detach())
@@ -392,6 +393,8 @@ def expert_parallel_model(args, ep_comm, stats_comm, device):
     """The whole model from the seed on the CPU; each rank keeps its experts and moves only its
     part to its device. Returns it and its optimizer."""
     model = expert_parallel(build_model(args), ep_comm, stats_comm).to(device)
+    for moe in moe_layers(model):
+        moe.choices = [] if args.check else None
     return model, sgd(model, args.lr)
 
 
@@ -487,10 +490,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     dense, experts = checksums(model)
     if len(set(comm.allgather(dense))) != 1 or len(set(replica_comm.allgather(experts))) != 1:
         raise RuntimeError("replicas diverged: the dense parameters, or the copies of an expert, differ")
-    diff, reference_dropped = check(comm, args, losses, model) if args.check else (None, None)
+    diff, reference = check(comm, args, losses, model) if args.check else (None, None)
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, model, losses, records, counted, diff, reference_dropped)
+    return report(comm, args, run, model, losses, records, counted, diff, reference)
 
 
 # =============================================================================
@@ -501,13 +504,14 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
-def reference_training(args, world_size):
+def reference_training(args, world_size, choices=None):
     """The same steps in one plain process holding every expert: no exchange, each expert run on
     the tokens that chose it. With a capacity factor, each of the world_size slices of the batch
-    (one rank's tokens) fills the experts' capacity on its own, as on the ranks."""
+    (one rank's tokens) fills the experts' capacity on its own, as on the ranks. choices: for each
+    block, the ranks' choices of each step (None before a resume), which it follows."""
     model = build_model(args)
-    for moe in moe_layers(model):
-        moe.slices = world_size
+    for moe, followed in zip(moe_layers(model), choices or [None] * args.layers):
+        moe.slices, moe.choices, moe.differed, moe.disagreement = world_size, followed and iter(followed), 0, 0.0
     optimizer, losses = sgd(model, args.lr), []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
@@ -538,18 +542,47 @@ def gather_model(model, comm):
                     offset += p.numel()
     return full
 
+def follow_choices(moe, probs, choice, gate):
+    """--check. On a rank: write the choices down. In the reference: take the ranks' choices instead
+    of its own, and keep by how much its own probabilities preferred others (0 if they agree): a
+    near-tie may fall the other way after float32 rounding, and one flipped token would move the
+    whole run by far more than rounding; a larger preference is a routing error."""
+    if isinstance(moe.choices, list):
+        moe.choices.append(choice)
+        return choice, gate
+    followed = next(moe.choices, None)
+    if followed is None:  # a step trained before a resume: none written down
+        return choice, gate
+    preferred = gate.detach().sum(1) - probs.detach().gather(1, followed).sum(1)  # >= 0
+    moe.differed += int((preferred > 0).sum())
+    moe.disagreement = max(moe.disagreement, preferred.max().item())
+    return followed, probs.gather(1, followed)
+
+def gather_choices(model, comm, steps):
+    """[block][step]: the choices of all ranks' tokens, rank by rank, on rank 0 (None elsewhere;
+    None for the steps trained before a resume)."""
+    written = torch.stack([torch.stack(moe.choices) for moe in moe_layers(model)]).cpu()  # L x S x n x k
+    every = written.new_empty(comm.Get_size(), *written.shape) if comm.Get_rank() == 0 else None
+    comm.Gather(written, every, root=0)
+    if every is None:
+        return None
+    return [[None] * (steps - every.size(2)) + list(every[:, block].transpose(0, 1).flatten(1, 2))
+            for block in range(every.size(1))]
+
 def check(comm, args, losses, model):
-    """Rank 0 gathers the model on its CPU and trains the reference there; the others wait without
-    spinning. Every rank gets the largest difference and the tokens the reference dropped."""
-    full, diff, dropped = gather_model(model, comm), None, None
+    """Rank 0 gathers the model and the choices on its CPU and trains the reference there; the
+    others wait without spinning. Every rank gets the largest difference (in losses, parameters, or
+    the preference of one process for other experts than the ranks') and the reference's counts."""
+    full, choices, diff, counts = gather_model(model, comm), gather_choices(model, comm, args.steps), None, None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args, comm.Get_size())
-        diff = max_difference(losses, full, ref_losses, ref_model)
-        dropped = int(sum(m.dropped for m in moe_layers(ref_model)))
+        ref_losses, ref_model = reference_training(args, comm.Get_size(), choices)
+        moes = moe_layers(ref_model)
+        diff = max(max_difference(losses, full, ref_losses, ref_model), *(m.disagreement for m in moes))
+        counts = (int(sum(m.dropped for m in moes)), sum(m.differed for m in moes), max(m.disagreement for m in moes))
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(POLL_S)
-    return comm.bcast((diff, dropped), root=0)
+    return comm.bcast((diff, counts), root=0)
 
 def print_header(comm, args, run, model, resumed):
     world_size, P, E, L = comm.Get_size(), args.ep, args.experts, args.layers
@@ -565,12 +598,12 @@ def print_header(comm, args, run, model, resumed):
            f"rank (rank j of a group: j x {E // P} to j x {E // P} + {E // P - 1}), each expert on {world_size // P} rank(s)",
            f"batch {args.batch_size} x {args.seq_len} characters, {args.batch_size // world_size} sequences per rank | "
            + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}: at most "
-              f"{math.ceil(args.capacity_factor * args.top_k * args.batch_size // world_size * args.seq_len / E)} "
+              f"{math.ceil(args.capacity_factor * args.top_k * (args.batch_size // world_size * args.seq_len) / E)} "
               f"pairs per expert from each rank") + f" | load-balancing coefficient {args.aux_loss_coef:g}",
            f"text: {' + '.join(s + '.py' for s in SOURCES)} of Python {sys.version.split()[0]} "
            f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes")
 
-def report(comm, args, run, model, losses, records, counted, diff, reference_dropped):
+def report(comm, args, run, model, losses, records, counted, diff, reference):
     """The summary: bytes per step beside the formula, the experts' memory, the load, the drops
     and the router's smallest gap; then finish() prints the rest and --json."""
     world_size, P, E, k, L, h = comm.Get_size(), args.ep, args.experts, args.top_k, args.layers, args.hidden
@@ -609,17 +642,21 @@ def report(comm, args, run, model, losses, records, counted, diff, reference_dro
              + " | ".join(f"block {i} {counts}" for i, counts in enumerate(load)),
              f"(token, choice) pairs dropped: {dropped:,} of {total:,}"
              + (" (dropless)" if args.capacity_factor is None else f" (capacity factor {args.capacity_factor:g})")
-             + ("" if reference_dropped is None else f"; the single process dropped {reference_dropped:,}"),
+             + ("" if reference is None else f"; the single process dropped {reference[0]:,}"),
              f"smallest gap between a token's k-th and (k+1)-th router probability: {gap:.2e} (rounding moves a "
              f"float32 probability by about 1e-7: a gap that small could pick another expert in one process than in N)"]
-    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+    if reference is not None:
+        lines.append(f"the single process followed the ranks' choices; its own top-{k} differed at {reference[1]:,} "
+                     f"token(s), by {reference[2]:.1e} at most in probability (the check counts it: near-ties only)")
+    return finish(comm, args, run, losses, records, diff, "losses, parameters, routing", lines, {
         "experts": E, "top_k": k, "ep": P, "capacity_factor": args.capacity_factor, "aux_loss_coef": args.aux_loss_coef,
         "comm_bytes_per_step": sum(measured.values()), "comm_bytes_formula": sum(formula.values()),
         "comm_bytes_per_rank": per_rank, "comm_bytes_by_kind": measured, "comm_bytes_formula_by_kind": formula,
         "collectives_per_step": calls, "collectives_formula": 6 * L + 2,
         "expert_param_bytes_per_rank": held, "expert_param_bytes_formula": E // P * L * one * 4,
-        "tokens_per_expert": load, "tokens_dropped": dropped, "tokens_dropped_reference": reference_dropped,
-        "min_topk_gap": gap})
+        "tokens_per_expert": load, "tokens_dropped": dropped, "tokens_dropped_reference": reference and reference[0],
+        "choices_differing_in_reference": reference and reference[1], "reference_preference": reference and reference[2],
+        "min_topk_gap": gap, "overlap": {}})  # the exchanges are blocking: the lesson claims no overlap
 
 def parse_args(argv, world_size):
     p = common_arguments("Expert parallelism over MPI: a mixture-of-experts GPT on Python's own source.",

@@ -134,7 +134,7 @@ def train_and_check(comm, argv):
     losses = ep.global_losses(comm, losses)
     dense, experts = ep.checksums(model)
     same = len(set(comm.allgather(dense))) == 1 and len(set(replica_comm.allgather(experts))) == 1
-    diff, reference_dropped = ep.check(comm, args, losses, model)
+    diff, (reference_dropped, _, _) = ep.check(comm, args, losses, model)
     dropped = comm.allreduce(int(sum(m.dropped for m in ep.moe_layers(model))))
     ep_comm.Free(), replica_comm.Free()
     return diff, dropped, reference_dropped, same
@@ -169,7 +169,7 @@ def test_with_a_capacity_the_ranks_and_one_process_drop_the_same_pairs(size, P):
 @pytest.mark.mpi
 def test_expert_gradients_divided_by_the_replicas_instead_of_n_fail_the_check(monkeypatch):
     """Negative control: at N = 4, --ep 2 each expert has 2 copies; dividing its summed gradient by
-    2 (N/P) instead of 4 (N) doubles it, and the check must say so."""
+    2 (N/P) instead of 4 (N) doubles it. Measured: 2.2e-2 after 3 steps (2.4e-7 when right)."""
     average = ep.average_gradients
 
     def by_replicas(model, comm, replica_comm):
@@ -185,11 +185,36 @@ def test_expert_gradients_divided_by_the_replicas_instead_of_n_fail_the_check(mo
 @pytest.mark.mpi
 def test_a_load_balancing_loss_from_each_rank_s_own_counts_fails_the_check(monkeypatch):
     """Negative control: f counted on each rank's tokens alone (no Allreduce) gives each rank
-    another loss, and N ranks no longer train what one process trains."""
+    another loss, and N ranks no longer train what one process trains. Measured after 3 steps at
+    N = 4, --ep 2: 5.5e-4 with alpha 0.1, 5.6e-5 with the default 0.01 (caught, but closer)."""
     local = ep.load_balancing_loss
     monkeypatch.setattr(ep, "load_balancing_loss", lambda *args: local(*args[:-1], None))
     with sub_comm(4) as comm:
         diff = 0.0 if comm is None else train_and_check(comm, ["--ep", "2", "--aux-loss-coef", "0.1"])[0]
+        assert max_everywhere(diff) > 10 * ep.TOLERANCE
+
+
+@pytest.mark.mpi
+def test_a_rank_that_routes_otherwise_than_one_process_fails_the_check(monkeypatch):
+    """Negative control for the choices the check follows: rank 1 sends every token whose k-th and
+    (k+1)-th probabilities are within 0.05 to the (k+1)-th, a tie rule of its own. The single
+    process follows the ranks' choices, so losses and parameters agree, but its own probabilities
+    preferred other experts: the check must fail."""
+    route = ep.route
+
+    def otherwise(tokens, router, top_k):
+        probs, choice, gate, gap = route(tokens, router, top_k)
+        ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+        close = ranked[:, top_k - 1] - ranked[:, top_k] < 0.05
+        choice = choice.clone()
+        choice[close, top_k - 1] = order[close, top_k]
+        return probs, choice, probs.gather(1, choice), gap
+    with sub_comm(2) as comm:
+        diff = 0.0
+        if comm is not None:
+            if comm.Get_rank() == 1:  # the reference runs on rank 0, with the script's own route
+                monkeypatch.setattr(ep, "route", otherwise)
+            diff = train_and_check(comm, [])[0]
         assert max_everywhere(diff) > 10 * ep.TOLERANCE
 
 
