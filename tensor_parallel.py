@@ -81,9 +81,7 @@ PROMPT, TEMPERATURE = "def ", 0.8  # how the sample at the end starts, and how a
 # -----------------------------------------------------------------------------
 # The strategy: f and f̄ (g and ḡ), the column- and row-parallel layers, the vocabulary-parallel ones
 # -----------------------------------------------------------------------------
-# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
-# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
-CUDA_AWARE = False
+CUDA_AWARE = False  # can MPI read GPU memory (setup() finds out)? If not, GPU tensors travel via host copies
 
 
 def mpi_buffer(t, nonblocking=False):
