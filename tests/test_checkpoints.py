@@ -103,10 +103,10 @@ def test_killed_job_resumes_to_exactly_the_same_result(script, fail_at, tmp_path
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_checkpoint_that_cannot_be_written_ends_the_job_with_one_line(script, tmp_path, uninterrupted):
-    """A full disk while rank 1 writes step 8: one line naming the step, exit 1 on every rank,
+    """A full disk while rank 0 (which writes in every file) writes step 8: one line naming the step, exit 1 on every rank,
     step 4 whole; --resume then continues from step 4 to the uninterrupted result."""
     whole, whole_state, _ = uninterrupted(script)
-    failed = run(script, tmp_path, env=clean_env(FAIL_AT="1:8:oserror:save"))
+    failed = run(script, tmp_path, env=clean_env(FAIL_AT="0:8:oserror:save"))
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
     assert len(errors) == 1 and "checkpoint of step 8 could not be written" in errors[0], failed.stderr
