@@ -913,7 +913,8 @@ class Timeline:
         def own_time(name, cat, start_mark, end_mark, children):
             begin, end = self._seconds(start_mark), self._seconds(end_mark)
             self.events.append((name, cat, begin, end))
-            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - sum(own_time(*c) for c in children)
+            inner = sum(own_time(*c) for c in children)  # first: a child of the same kind adds to it too
+            record[{"idle": "wait"}.get(cat, cat) + "_s"] += end - begin - inner
             return end - begin
 
         for span in self.closed:
