@@ -1,6 +1,7 @@
 """expert_parallel.py: the router, the exchange and the gradients on sub-communicators of sizes 1 to 4,
 training against one process at every N and --ep, then the script as launched."""
 import copy
+import math
 
 import pytest
 import torch
@@ -164,6 +165,21 @@ def test_with_a_capacity_the_ranks_and_one_process_drop_the_same_pairs(size, P):
             ok &= dropped == reference_dropped > 0
         assert max_everywhere(diff) <= ep.TOLERANCE
         assert agree(ok)
+
+
+@pytest.mark.mpi
+def test_every_buffer_staged_through_a_host_copy_trains_the_same(monkeypatch):
+    """What a GPU with an MPI that cannot read its memory does: every buffer handed to MPI is a
+    copy, every receive lands in a fresh buffer, so each result must be copied back (from_mpi).
+    The tensor a receive is for holds garbage until then (-1, or NaN), as GPU memory would."""
+    def staged_receive(t):
+        t.fill_(math.nan if t.is_floating_point() else -1)
+        return torch.empty(t.shape, dtype=t.dtype)
+    monkeypatch.setattr(ep, "mpi_buffer", lambda t, *args, **kwargs: torch.empty(t.shape, dtype=t.dtype).copy_(t))
+    monkeypatch.setattr(ep, "receive_buffer", staged_receive)
+    with sub_comm(2) as comm:
+        diff = 0.0 if comm is None else train_and_check(comm, ["--ep", "2"])[0]
+        assert max_everywhere(diff) <= ep.TOLERANCE
 
 
 @pytest.mark.mpi
