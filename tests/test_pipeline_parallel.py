@@ -359,7 +359,8 @@ def test_killed_job_resumes_to_the_checked_result_under_the_chunked_and_split_sc
 @pytest.mark.e2e
 def test_each_rank_holds_its_stage_not_the_whole_model():
     """The measured peak of training, less that of the same run with a tiny model, against the full
-    model's parameter bytes: a quarter of the layers with gradients and momentum is about 0.75."""
+    model's parameter bytes: a quarter of the layers with gradients and momentum is about 0.75;
+    measured 0.83 to 0.84, and 1.58 to 1.59 when each rank kept the whole model it was cut from."""
     rss = {}
     for hidden in (16, 512):
         out = launch("pipeline_parallel.py", 4, "--layers", 8, "--hidden", hidden, "--heads", 8, "--seq-len", 8,
