@@ -687,8 +687,10 @@ def parse_args(argv, world_size):
     args.ep = args.ep or math.gcd(world_size, args.experts)
     if world_size % args.ep or args.experts % args.ep:
         works = [d for d in range(1, world_size + 1) if world_size % d == 0 and args.experts % d == 0]
+        fixes = ([f"--ep {', '.join(map(str, works))}"] + [f"mpirun -np a multiple of {args.ep}"] * (world_size % args.ep > 0)
+                 + [f"--experts a multiple of {args.ep}"] * (args.experts % args.ep > 0))
         raise ConfigError(f"--ep {args.ep} must divide both the {world_size} ranks and the {args.experts} "
-                          f"experts; use --ep {', '.join(map(str, works))}, or --experts a multiple of {args.ep}")
+                          f"experts; use {' or '.join(fixes)}")
     if args.seq_len >= len(load_text()):
         raise ConfigError(f"--seq-len {args.seq_len} must be shorter than the text ({len(load_text())})")
     return args
