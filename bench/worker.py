@@ -490,7 +490,7 @@ def gpt_training(ctx, wrap, make_optimizer, local_state=lambda o: o.state, shard
     return {"step_time_s": seconds, "losses": [sum(ls) / n for ls in zip(*comm.allgather(losses))],
             "comm_bytes_per_step": max(comm.allgather(counts["bytes"] / ctx.args.steps)),
             "collectives_per_step": max(comm.allgather(counts["calls"] / ctx.args.steps)),
-            "memory_bytes_per_rank": {k: max(m[k] for m in every) for k in every[0]},
+            "live_bytes_after_last_step": {k: max(m[k] for m in every) for k in every[0]},
             "peak_memory_bytes_per_rank": comm.allgather(meter.bytes)}
 
 
