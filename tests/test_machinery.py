@@ -63,7 +63,7 @@ def test_the_strategy_comes_first(script):
     first_code = next(i for i, line in enumerate(lines, 1) if re.match(r"(def|class) ", line))
     first_mpi = next(i for i, line in enumerate(lines, 1)
                      if re.search(r"\.(Allreduce|Iallreduce|Isend|Irecv|Reduce_scatter_block|Ireduce_scatter_block"
-                                  r"|Allgather|Iallgather|Bcast)\(", line))
+                                  r"|Allgather|Iallgather|Bcast|Alltoall|Alltoallv|Sendrecv)\(", line))
     assert first_code <= 120 and first_mpi <= 150 and DIVIDER in lines
 
 
