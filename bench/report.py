@@ -297,25 +297,206 @@ def tensor_parallel(meta, runs, cores):
     calls, volume = 4 * L + 5, (4 * L + 2) * 4 * B * T * h + 3 * 4 * B * T
     lines += [f"GPT, {L} blocks × {h} hidden × {cfg.get('heads')} heads, batch {B} × {T} characters "
               f"({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}). "
-              "Formula per step: "
+              "Formula per step, plain: "
               f"4L + 5 = {calls} allreduces, (4L + 2) × 4BTh + 3 × 4BT = {volume:,} bytes from each "
-              "rank. The torch peer splits the same layers the same way (Colwise: qkv, fc1, head; "
-              "Rowwise: proj, fc2, embedding; loss_parallel).", ""]
-    head = ["N", "run", "step ms (range)", "× torch (range)", "allreduces/step (formula)",
-            "bytes/step (formula)", "loss Δ vs tensor_parallel.py", "check"]
+              f"rank; `--sequence-parallel`: 8L + 8 = {8 * L + 8} all-gathers and reduce-scatters, and the "
+              "script's formula for their bytes (`comm_bytes_formula`). *Activation MB per rank*: what "
+              "autograd saved for backward, measured by saved-tensor hooks (`activation_bytes_per_rank`), "
+              "with the script's formula for its mode (`activation_bytes_formula`). The torch peers split "
+              "the same layers the same way (Colwise: qkv, fc1, head; Rowwise: proj, fc2, embedding; "
+              "loss_parallel); the one with SequenceParallel also runs the LayerNorms on the sequence's "
+              "slices and cuts the stream between the parallel regions (Shard(1)), as "
+              "`--sequence-parallel` does. *× torch* pairs each of our rows with the peer of its mode.", ""]
+    head = ["N", "run", "step ms (range)", "× torch (range)", "collectives/step (formula)",
+            "bytes/step (formula)", "activation MB per rank (formula)", "loss Δ vs ours", "check"]
     rows = []
     for n, j in jobs:
         where = ranks_label(n, cores)
-        ours, peer = case(j, kind="strategy"), case(j, kind="peer")
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([where] + failed_row(c, len(head) - 1))
+                continue
+            r, mine, mode = c["result"], c["tags"]["kind"] == "strategy", c["tags"].get("mode", "plain")
+            peer = case(j, kind="peer", mode=mode) or (case(j, kind="peer") if mode == "plain" else None)
+            ours = case(j, kind="strategy", mode=mode) or (case(j, kind="strategy") if mode == "plain" else None)
+            saved = r.get("activation_bytes_per_rank")
+            rows.append([where, c["label"], step_cell(c), ratio_cell(c, peer),
+                         f"{r['collectives_per_step']:g} ({r.get('collectives_formula', calls)})" if mine else "–",
+                         f"{r['comm_bytes_per_step']:,.0f} ({r.get('comm_bytes_formula', volume):,.0f})" if mine else "–",
+                         (per_rank(saved, lambda b: f"{b / 1e6:.2f}")
+                          + (f" ({mb(r['activation_bytes_formula'])})" if "activation_bytes_formula" in r else ""))
+                         if mine and saved else "–",
+                         "–" if mine else sci(loss_diff(c, ours)), check_cell(c) if mine else "–"])
+    return lines + table(head, rows)
+
+
+def slowest_share(pairs):
+    """The share of the causal work (query-key pairs) that the busiest rank computes."""
+    return max(pairs) / sum(pairs) if pairs and sum(pairs) else None
+
+
+def context_parallel(meta, runs, cores):
+    lines = ["## Context parallelism: ring against all-gather, zigzag against contiguous", ""]
+    jobs = [(n, job(runs, "cp", n)) for n in (2, 4)]
+    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][1]["result"]
+    cfg = first.get("config") or {}
+    lines += [f"context_parallel.py, GPT, {cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × "
+              f"{cfg.get('heads')} heads, batch {cfg.get('batch_size')} sequences of {cfg.get('seq_len')} "
+              f"characters, each sequence's positions split over the N ranks ({plural(first['steps'], 'step')} "
+              f"per run, {plural(first['rounds'], 'round')}). *× ring zigzag*: the step time over that of "
+              "the default (`--cp-comm ring --layout zigzag`), paired by round. *Causal pairs per rank*: "
+              "the query-key pairs a rank's attention computes for one layer, sequence and head "
+              "(`causal_pairs_per_rank`), and the busiest rank's share of them (even: 1/N). "
+              "*Bytes/step*: handed to MPI per step and rank, with the script's formula "
+              "(`comm_bytes_formula`); *messages + collectives*: the ring's Isends and the collectives "
+              "per step. *Loss Δ*: against the default's loss curve (the same training).", ""]
+    head = ["N", "run", "step ms (range)", "× ring zigzag (range)", "causal pairs per rank: busiest's share",
+            "bytes/step (formula)", "messages + collectives/step", "loss Δ", "check"]
+    rows = []
+    for n, j in jobs:
+        where = ranks_label(n, cores)
+        base = case(j, kind="strategy", cp_comm="ring", layout="zigzag")
         for c in j["result"]["cases"]:
             if not ok(c):
                 rows.append([where] + failed_row(c, len(head) - 1))
                 continue
             r, mine = c["result"], c["tags"]["kind"] == "strategy"
-            rows.append([where, c["label"], step_cell(c), ratio_cell(c, peer),
-                         f"{r['collectives_per_step']:g} ({calls})" if mine else "–",
-                         f"{r['comm_bytes_per_step']:,.0f} ({volume:,})" if mine else "–",
-                         "–" if mine else sci(loss_diff(c, ours)), check_cell(c) if mine else "–"])
+            pairs = r.get("causal_pairs_per_rank")
+            rows.append([where, c["label"], step_cell(c), ratio_cell(c, base),
+                         f"{per_rank(pairs, lambda p: f'{p:,}')}: {pct(slowest_share(pairs))} (even {pct(1 / n)})"
+                         if pairs else "–",
+                         f"{r['comm_bytes_per_step']:,.0f} ({r['comm_bytes_formula']:,.0f})"
+                         if mine and "comm_bytes_formula" in r else "–",
+                         f"{r.get('messages_per_step', 0):g} + {r['collectives_per_step']:g}" if mine else "–",
+                         sci(loss_diff(c, base)) if c is not base else "–", check_cell(c) if mine else "–"])
+    return lines + table(head, rows) + load_line([j for _, j in jobs])
+
+
+def all_to_all(r, key="comm_bytes_by_kind"):
+    """The all-to-all bytes of an expert_parallel.py result: the rows (Alltoallv) and their counts (Alltoall)."""
+    kinds = r.get(key) or {}
+    return kinds["Alltoallv"] + kinds.get("Alltoall", 0) if "Alltoallv" in kinds else None
+
+
+def busiest_expert(r):
+    """Per block, the tokens of the busiest expert over an even share (1.00: balanced), last step."""
+    return [max(load) / (sum(load) / len(load)) for load in r.get("tokens_per_expert") or [] if sum(load)]
+
+
+def expert_parallel(meta, runs, cores):
+    lines = ["## Expert parallelism: the experts spread over the ranks against every rank holding them all", ""]
+    jobs = [(n, job(runs, "ep", n)) for n in (2, 4)]
+    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][1]["result"]
+    cfg = first.get("config") or {}
+    lines += [f"expert_parallel.py, GPT, {cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × "
+              f"{cfg.get('heads')} heads, each block's MLP {cfg.get('experts')} experts, top-{cfg.get('top_k')}, "
+              f"global batch {cfg.get('batch_size')} sequences of {cfg.get('seq_len')} characters split over "
+              f"the N ranks ({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}). "
+              "`--ep N`: each rank holds E/N experts and the all-to-alls carry every token's row to its "
+              "expert's rank and back; `--ep 1`: every rank holds every expert (data parallelism: the "
+              "all-to-alls hand each rank's rows back to itself); `--capacity-factor 1`: an expert takes "
+              "at most its even share of a rank's (token, choice) pairs, the rest are dropped. *× --ep 1*: "
+              "the step time over that of `--ep 1`, paired by round. *All-to-all bytes/step*: the rows "
+              "(Alltoallv) and their counts (Alltoall) handed to MPI per step, mean over ranks, with the "
+              "script's formula; *all bytes/step*: with the router's counts and the gradient allreduces. "
+              "*Busiest expert*: per block, its tokens over an even share on the last step "
+              f"(`tokens_per_expert`; 1.00 is balanced, E/k = {cfg.get('experts', 0) / (cfg.get('top_k') or 1):.2f} "
+              "is every token choosing it). *Dropped*: (token, choice) pairs dropped over the run, all ranks "
+              "and blocks. *Loss Δ*: against `--ep 1`'s loss curve (a run that drops pairs trains another "
+              "model).", ""]
+    head = ["N", "run", "step ms (range)", "× --ep 1 (range)", "all-to-all bytes/step (formula)",
+            "all bytes/step (formula)", "busiest expert / even share, per block", "dropped", "loss Δ", "check"]
+    rows = []
+    for n, j in jobs:
+        where = ranks_label(n, cores)
+        base = case(j, kind="strategy", ep=1, capacity=None)
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([where] + failed_row(c, len(head) - 1))
+                continue
+            r, cfg = c["result"], j["result"].get("config") or {}
+            moved, formula = all_to_all(r), all_to_all(r, "comm_bytes_formula_by_kind")
+            pairs = (cfg.get("layers", 0) * cfg.get("top_k", 0) * cfg.get("batch_size", 0) * cfg.get("seq_len", 0)
+                     * j["result"]["steps"])
+            dropped = r.get("tokens_dropped")
+            rows.append([where, c["label"], step_cell(c), ratio_cell(c, base),
+                         f"{moved:,.0f} ({formula:,.0f})" if moved is not None and formula is not None else "–",
+                         f"{r['comm_bytes_per_step']:,.0f} ({r['comm_bytes_formula']:,.0f})"
+                         if "comm_bytes_formula" in r else "–",
+                         per_rank(busiest_expert(r), lambda x: f"{x:.2f}"),
+                         "–" if dropped is None else f"{dropped:,}" + (f" of {pairs:,} ({pct(dropped / pairs)})"
+                                                                      if pairs and dropped else ""),
+                         sci(loss_diff(c, base)) if c is not base else "–", check_cell(c)])
+    return lines + table(head, rows) + load_line([j for _, j in jobs])
+
+
+# Each file's run that starts its exchanges under compute, and the same run with --no-overlap:
+# (group, the tags of the overlapped run, of the run that waits).
+OVERLAP_PAIRS = [("dp", {"variant": "small"}, {"variant": "no_overlap"}),
+                 ("zero", {"kind": "strategy", "stage": 2, "overlap": None}, {"kind": "strategy", "stage": 2, "overlap": False}),
+                 ("zero", {"kind": "strategy", "stage": 3, "overlap": None}, {"kind": "strategy", "stage": 3, "overlap": False}),
+                 ("tp", {"kind": "strategy", "mode": "sequence_parallel", "overlap": None},
+                  {"kind": "strategy", "mode": "sequence_parallel", "overlap": False}),
+                 ("cp", {"kind": "strategy", "cp_comm": "ring", "layout": "zigzag", "overlap": None},
+                  {"kind": "strategy", "cp_comm": "ring", "layout": "zigzag", "overlap": False})]
+
+
+def overlap_pairs(runs):
+    """(where, N, env, the run with overlap, the run with --no-overlap) from every job that holds both."""
+    found = []
+    for group, with_tags, without_tags in OVERLAP_PAIRS:
+        for j in sorted((r for r in runs if r["group"] == group and r["result"]),
+                        key=lambda r: (r["ranks"], sorted(r["env"].items()))):
+            a, b = case(j, **with_tags), case(j, **without_tags)
+            if ok(a) and ok(b) and "comm_s" in a["result"] and "comm_s" in b["result"]:
+                found.append((j, a, b))
+    return found
+
+
+def hidden_share(a, b):
+    """1 − (exposed exchange with overlap / without), paired by round: the share of the exchange hidden."""
+    x = ratio(a, b, "comm_s")
+    return None if x is None else 1 - x
+
+
+def overlap_counts(r, baseline):
+    """The script's `overlap` counts, [started in time, total] per name: 'name a/b (the baseline's a/b)'."""
+    without = baseline.get("overlap") or {}
+    return "; ".join(f"{name.replace('_', ' ')} {a}/{b}" + (f" ({'/'.join(map(str, without[name]))})"
+                                                           if name in without else "")
+                     for name, (a, b) in (r.get("overlap") or {}).items()) or "–"
+
+
+def overlap(meta, runs, cores):
+    lines = ["## Overlap: the exchange time hidden, with and without --no-overlap", ""]
+    found = overlap_pairs(runs)
+    if not found:
+        return lines + ["Not measured (see above).", ""]
+    lines += ["Every file that has `--no-overlap`, run with and without it in the same job, taking turns (the "
+              "rows come from the tables above). *Exposed exchange*: the time per step the slowest rank spent "
+              "blocked in exchanges, by the script's own clock (`comm_s`), with overlap and with "
+              "`--no-overlap`; it counts every exchange of the step, those no overlap concerns too (the "
+              "gradients' allreduce of tensor and context parallelism). *Hidden*: 1 − with / without, paired "
+              "round by round (0% or less: none hidden). *Step × without*: the whole step with overlap over "
+              "the step with `--no-overlap`, paired by round. *Started in time*: the script's `overlap` "
+              "counts of the first round, [started while compute ran] / [all], with overlap (with "
+              "`--no-overlap`).", ""]
+    head = ["N", "run (against --no-overlap)", "exposed exchange ms: with / without", "hidden (range)",
+            "step × without (range)", "started in time: with (without)"]
+    rows = []
+    for j, a, b in found:
+        where = ranks_label(j["ranks"], cores) + "".join(f", {k}={v}" for k, v in j["env"].items())
+        each = paired(a, b, lambda p, q: 1 - p / q, "comm_s")
+        hidden = hidden_share(a, b)
+        rows.append([where, a["label"], f"{ms(a['result']['comm_s'])} / {ms(b['result']['comm_s'])}",
+                     pct(hidden) + (f" ({pct(min(each))} to {pct(max(each))})" if len(each) > 1 else ""),
+                     ratio_cell(a, b), overlap_counts(a["result"], b["result"])])
     return lines + table(head, rows)
 
 
@@ -597,6 +778,7 @@ def findings(meta, runs, cores):
         j = job(runs, "tp", n)
         faster("tensor_parallel.py", case(j, kind="strategy"), "torch.distributed.tensor.parallel",
                case(j, kind="peer"), f"Tensor parallelism, N = {ranks_label(n, cores)}")
+        out += sequence_parallel_findings(j, faster, f"Tensor parallelism, N = {ranks_label(n, cores)}")
     for n in (2, 4):
         j = job(runs, "zero", n)
         if not (j and j["result"]):
@@ -614,6 +796,10 @@ def findings(meta, runs, cores):
             if c is not base and ok(c):
                 faster(c["label"], c, "the 2 × 2 × 2 grid", base,
                        f"Hybrid, N = {ranks_label(j['ranks'], cores)}")
+    for n in (2, 4):
+        out += context_findings(job(runs, "cp", n), faster, f"Context parallelism, N = {ranks_label(n, cores)}")
+        out += expert_findings(job(runs, "ep", n), faster, f"Expert parallelism, N = {ranks_label(n, cores)}")
+    out += overlap_findings(runs, cores)
     j = scaling_job(runs)
     for label in dict.fromkeys(c["label"] for c in (j["result"]["cases"] if j else [])):
         one = {c["tags"]["threads"]: c for c in j["result"]["cases"]
@@ -626,6 +812,121 @@ def findings(meta, runs, cores):
     return ["## Findings (computed from the tables above)", ""] + [f"- {line}" for line in out] + [""]
 
 
+def sequence_parallel_findings(j, faster, where):
+    """--sequence-parallel against plain tensor parallelism and against torch's SequenceParallel:
+    the step, the activations saved per rank (measured, with the formula's ratio) and the bytes."""
+    plain = case(j, kind="strategy", mode="plain")
+    sp = case(j, kind="strategy", mode="sequence_parallel", overlap=None)
+    if not ok(sp):
+        return []
+    out = []
+    faster("tensor_parallel.py --sequence-parallel", sp, "torch's SequenceParallel",
+           case(j, kind="peer", mode="sequence_parallel"), where)
+    r = sp["result"]
+    if ok(plain) and plain["result"].get("activation_bytes_per_rank") and r.get("activation_bytes_per_rank"):
+        q = plain["result"]
+        saved, before = max(r["activation_bytes_per_rank"]), max(q["activation_bytes_per_rank"])
+        formula = (f" (the formulas: {r['activation_bytes_formula'] / q['activation_bytes_formula']:.2f}×)"
+                   if r.get("activation_bytes_formula") and q.get("activation_bytes_formula") else "")
+        out.append(f"{where}: --sequence-parallel saves {mb(saved)} MB of activations per rank against "
+                   f"{mb(before)} MB plain, {saved / before:.2f}× measured{formula}; it hands MPI "
+                   f"{r['comm_bytes_per_step'] / q['comm_bytes_per_step']:.2f}× the bytes per step in "
+                   f"{r['collectives_per_step']:g} collectives against {q['collectives_per_step']:g}, and its "
+                   f"step takes {ratio(sp, plain):.2f}× plain's (paired by round).")
+    return out
+
+
+def context_findings(j, faster, where):
+    """Ring against all-gather and zigzag against contiguous: step, the busiest rank's causal work, bytes."""
+    base = case(j, kind="strategy", cp_comm="ring", layout="zigzag")
+    if not ok(base):
+        return []
+    out = []
+    gathered = case(j, kind="strategy", cp_comm="allgather")
+    contiguous = case(j, kind="strategy", layout="contiguous")
+    faster("--cp-comm allgather", gathered, "the ring", base, where)
+    faster("--layout contiguous", contiguous, "zigzag", base, where)
+    if ok(contiguous) and contiguous["result"].get("causal_pairs_per_rank"):
+        n = len(contiguous["result"]["causal_pairs_per_rank"])
+        out.append(f"{where}: with --layout contiguous the busiest rank computes "
+                   f"{pct(slowest_share(contiguous['result']['causal_pairs_per_rank']))} of the causal pairs, "
+                   f"with zigzag {pct(slowest_share(base['result'].get('causal_pairs_per_rank')))} (even: "
+                   f"{pct(1 / n)}).")
+    mine = [c for c in j["result"]["cases"] if c["tags"]["kind"] == "strategy" and ok(c)
+            and "comm_bytes_formula" in c["result"]]
+    off = [c["label"] for c in mine if c["result"]["comm_bytes_per_step"] != c["result"]["comm_bytes_formula"]]
+    sizes = {c["tags"]["cp_comm"]: c["result"]["comm_bytes_per_step"] for c in mine}
+    if len(sizes) == 2:
+        ring, gather = sizes["ring"], sizes["allgather"]
+        out.append(f"{where}: the ring hands MPI {ring:,.0f} bytes per step and rank, --cp-comm allgather "
+                   + ("the same" if ring == gather else f"{gather:,.0f} ({gather / ring:.2f}×)")
+                   + ("; every run's bytes equal its formula." if not off else
+                      "; not the formula in " + ", ".join(off) + "."))
+    return out
+
+
+def expert_findings(j, faster, where):
+    """--ep N against --ep 1: step, the all-to-all and gradient bytes, the load, the drops, the losses."""
+    base = case(j, kind="strategy", ep=1, capacity=None)
+    spread = next((c for c in (j["result"]["cases"] if j and j["result"] else [])
+                   if c["tags"].get("ep", 1) > 1 and c["tags"].get("capacity") is None), None)
+    if not (ok(base) and ok(spread)):
+        return []
+    out = []
+    p = spread["tags"]["ep"]
+    faster(f"--ep {p}", spread, "--ep 1", base, where)
+    a, b = spread["result"], base["result"]
+    kinds_a, kinds_b = a.get("comm_bytes_by_kind") or {}, b.get("comm_bytes_by_kind") or {}
+    if all_to_all(a) is not None and all_to_all(b) is not None and "experts" in kinds_a and "experts" in kinds_b:
+        out.append(f"{where}: the all-to-alls hand MPI {all_to_all(a):,.0f} bytes per step and rank at --ep {p} "
+                   f"and {all_to_all(b):,.0f} at --ep 1 (there every row goes back to its own rank); the "
+                   f"experts' gradient allreduce {kinds_a['experts']:,.0f} against {kinds_b['experts']:,.0f} "
+                   f"bytes (a rank holds E/P experts, each summed over its N/P copies).")
+    load = busiest_expert(a)
+    if load:
+        worst = max(range(len(load)), key=load.__getitem__)
+        out.append(f"{where}: on the last step the busiest expert of block {worst} takes {load[worst]:.2f}× an even "
+                   f"share (its tokens per expert: {' / '.join(map(str, a['tokens_per_expert'][worst]))}).")
+    capped = next((c for c in j["result"]["cases"] if c["tags"].get("capacity") is not None and ok(c)), None)
+    if capped and capped["result"].get("tokens_dropped") is not None:
+        out.append(f"{where}: {capped['label'].split('.py ')[-1]} drops {capped['result']['tokens_dropped']:,} "
+                   f"(token, choice) pairs over the run; its step takes {ratio(capped, spread):.2f}× that of the "
+                   f"dropless --ep {p} (paired by round).")
+    d = loss_diff(spread, base)
+    if d is not None:
+        out.append(f"{where}: --ep {p} and --ep 1 train loss curves "
+                   + ("identical" if d == 0 else f"within {d:.1e} of each other")
+                   + f" over {plural(j['result']['steps'], 'step')}.")
+    return out
+
+
+def overlap_findings(runs, cores):
+    """Per file: the share of its exchange time that overlap hid on this machine, or plainly none."""
+    out = []
+    for j, a, b in overlap_pairs(runs):
+        where = (f"Overlap, N = {ranks_label(j['ranks'], cores)}"
+                 + "".join(f", {k}={v}" for k, v in j["env"].items()))
+        hidden, each = hidden_share(a, b), paired(a, b, lambda p, q: 1 - p / q, "comm_s")
+        spread = (f"rounds {pct(min(each))} to {pct(max(each))}" if len(each) > 1 else "one round: indicative only")
+        exposed = (f"{ms(a['result']['comm_s'])} ms exposed a step against {ms(b['result']['comm_s'])} ms with "
+                   f"--no-overlap")
+        step = f"the step takes {ratio(a, b):.2f}× the step without"
+        agree = max(sum(h > 0 for h in each), sum(h <= 0 for h in each)) / len(each)
+        if len(each) > 1 and agree < 0.75:
+            out.append(f"{where}: {a['label']}: the rounds disagree on whether any of its exchange time was hidden "
+                       f"(median {pct(hidden)}: {exposed}; {spread}); {step}.")
+        elif hidden > 0:
+            out.append(f"{where}: {a['label']} hides {pct(hidden)} of its exchange time ({exposed}; {spread}); {step}.")
+        else:
+            mpich = ("MPICH" in (j["result"].get("mpi_library") or "")
+                     and "MPIR_CVAR_ASYNC_PROGRESS" not in j["env"])
+            out.append(f"{where}: {a['label']} hides none of its exchange time ({exposed}"
+                       + (f": {pct(-hidden)} more with overlap" if hidden < 0 else "") + f"; {spread}); {step}"
+                       + (". MPICH without its progress thread moves a non-blocking exchange on only inside an "
+                          "MPI call, so what was started waits for the next one." if mpich else "."))
+    return out
+
+
 def sharded_findings(j, where):
     """Memory and loss curves of the ZeRO job: the measured bytes against the formula and against
     the unsharded baseline, and how far apart the loss curves are."""
@@ -633,7 +934,7 @@ def sharded_findings(j, where):
     def peak(c):
         return max(c["result"].get("peak_memory_bytes_per_rank") or [0]) if ok(c) else 0
     ours = [c for c in j["result"]["cases"] if c["tags"]["kind"] == "strategy" and peak(c)
-            and "memory_bytes_formula" in c["result"]]
+            and "memory_bytes_formula" in c["result"] and c["tags"].get("overlap") is not False]
     ddp = case(j, kind="peer", variant="ddp")
     if ours:
         worst = max(abs(peak(c) / c["result"]["memory_bytes_formula"]["total"] - 1) for c in ours)
@@ -662,6 +963,7 @@ def sharded_findings(j, where):
 def render(meta, runs):
     cores = meta["machine"]["cores"]
     lines = header(meta, runs)
-    for section in (data_parallel, pipeline, tensor_parallel, sharded, hybrid, scaling, findings):
+    for section in (data_parallel, pipeline, tensor_parallel, sharded, hybrid, context_parallel,
+                    expert_parallel, overlap, scaling, findings):
         lines += section(meta, runs, cores)
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Benchmark every strategy against its peers and the machine's limit; print and save the table.
 
-    python bench/run.py              # the full table, under 16 minutes on 2 CPU cores
+    python bench/run.py              # the full table, under 20 minutes on 2 CPU cores
     python bench/run.py --quick      # a smoke test in about two minutes (2 ranks, one round)
     python bench/run.py --gpu        # every strategy on --device cuda with --check, one GPU
 
@@ -32,15 +32,15 @@ from harness import clean_env  # noqa: E402  (the tests' rule for a clean MPI en
 import report  # noqa: E402
 import plots  # noqa: E402  (imports matplotlib only when it draws)
 
-BUDGET = {"full": 920, "quick": 180, "gpu": 420}  # seconds, the traced run included: no job runs past them
+BUDGET = {"full": 1150, "quick": 180, "gpu": 420}  # seconds, the traced run included: no job runs past them
 MODE_ENV = {}  # for every job of a mode (the GPU jobs set their transport one by one)
 KEEP_GPUS = []  # set by --gpu: the jobs see this machine's GPUs (the tests' environment hides them)
 MIN_JOB_SECONDS = 20
 STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_parallel",
-              "sharded_data_parallel", "hybrid_parallel")
+              "sharded_data_parallel", "hybrid_parallel", "context_parallel", "expert_parallel")
 GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_parallel"),
                "tp": ("tensor_parallel",), "zero": ("sharded_data_parallel",), "hybrid": ("hybrid_parallel",),
-               "scaling": STRATEGIES[:4]}
+               "cp": ("context_parallel",), "ep": ("expert_parallel",), "scaling": STRATEGIES[:4]}
 
 
 Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
@@ -76,10 +76,14 @@ def plan(mode):
     for n, more in ((2, 0), (4, 5)):  # 4 ranks on 2 cores run slower: a little more time
         # pp: five schedules at M = N, 2N, 4N, model_parallel.py and five torch schedules: 21 cases a
         # round, on 8 blocks
+        # tp: plain and sequence-parallel, each beside torch's; zero: stages 2 and 3 also with
+        # --no-overlap; cp: 4 runs a round (ring, all-gather, contiguous, ring with --no-overlap)
         jobs += [Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 55 + more, 240),
                  Job(("pp",), n, ["--rounds", "6", "--steps", "5"], {}, 160 + 6 * more, 360),
-                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 40 + more, 240),
-                 Job(("zero",), n, ["--rounds", "5", "--steps", "4"], {}, 45 + 2 * more, 180)]
+                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 45 + 3 * more, 240),
+                 Job(("zero",), n, ["--rounds", "5", "--steps", "4"], {}, 50 + 2 * more, 180),
+                 Job(("cp",), n, ["--rounds", "4", "--steps", "4"], {}, 40 + 4 * more, 180),
+                 Job(("ep",), n, ["--rounds", "5", "--steps", "6"], {}, 25 + 3 * more, 150)]
     # The 2 x 2 x 2 grid beside the one-axis grids, 8 ranks on the machine's cores.
     jobs.append(Job(("hybrid",), 8, ["--rounds", "4", "--steps", "4"], {}, 70, 200))
     # MPICH's progress thread moves non-blocking collectives on while backward computes.

@@ -339,55 +339,88 @@ def pipeline_cases(ctx):
 # -----------------------------------------------------------------------------
 # Tensor parallelism: tensor_parallel.py and torch.distributed.tensor.parallel
 # -----------------------------------------------------------------------------
-def torch_tensor_parallel(ctx):
+def torch_tensor_parallel(sequence_parallel=False):
     """tensor_parallel.py's network and batch under PyTorch's tensor parallelism on gloo:
     ColwiseParallel for qkv and fc1, RowwiseParallel for proj and fc2, the vocabulary split in
     the embedding (RowwiseParallel) and the head (ColwiseParallel with loss_parallel), as
-    tensor_parallel.py splits them."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                                   parallelize_module)
-    tp = importlib.import_module("tensor_parallel")
-    comm, device, n = ctx.comm, ctx.device, ctx.comm.Get_size()
-    a = defaults("tensor_parallel", n)
-    if a.heads % n or tp.VOCAB % n:
-        raise CannotRun(f"{a.heads} heads and {tp.VOCAB} tokens do not split into {n} equal parts")
-    model = tp.build_model(a, device)
-    # The fused qkv weight holds all queries, then all keys, then all values. A contiguous 1/N of
-    # its rows (what ColwiseParallel gives a rank) must hold the queries, keys and values of the
-    # same heads: reorder the rows, the same network written in another order.
-    order = torch.arange(3 * a.hidden).view(3, n, a.hidden // n).transpose(0, 1).reshape(-1)
-    plan = {"tokens": RowwiseParallel(input_layouts=Replicate()),
-            "out": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    with torch.no_grad():
-        for i, block in enumerate(model.blocks):
-            block.qkv.weight.copy_(block.qkv.weight[order.to(device)])
-            block.qkv.bias.copy_(block.qkv.bias[order.to(device)])
-            block.heads = a.heads // n  # the heads of this rank's slice
-            plan.update({f"blocks.{i}.qkv": ColwiseParallel(), f"blocks.{i}.proj": RowwiseParallel(),
-                         f"blocks.{i}.fc1": ColwiseParallel(), f"blocks.{i}.fc2": RowwiseParallel()})
-    model = parallelize_module(model, init_device_mesh(device.type, (n,)), plan)
-    optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    tensor_parallel.py splits them. With sequence_parallel, torch's SequenceParallel on the
+    LayerNorms and the stream cut along the sequence between the parallel regions, as
+    tensor_parallel.py --sequence-parallel cuts it: the embedding and the row-parallel layers
+    reduce-scatter (Shard(1)), the column-parallel ones gather their input, the positions added at
+    this rank's offsets."""
+    def run(ctx):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                       loss_parallel, parallelize_module)
+        tp = importlib.import_module("tensor_parallel")
+        comm, device, n, rank = ctx.comm, ctx.device, ctx.comm.Get_size(), ctx.comm.Get_rank()
+        a = defaults("tensor_parallel", n)
+        if a.heads % n or tp.VOCAB % n:
+            raise CannotRun(f"{a.heads} heads and {tp.VOCAB} tokens do not split into {n} equal parts")
+        if sequence_parallel and a.seq_len % n:
+            raise CannotRun(f"{a.seq_len} positions do not split into {n} equal parts")
+        model = tp.build_model(a, device)
+        # The fused qkv weight holds all queries, then all keys, then all values. A contiguous 1/N of
+        # its rows (what ColwiseParallel gives a rank) must hold the queries, keys and values of the
+        # same heads: reorder the rows, the same network written in another order.
+        order = torch.arange(3 * a.hidden).view(3, n, a.hidden // n).transpose(0, 1).reshape(-1)
+        stream = Shard(1) if sequence_parallel else Replicate()  # the stream between the regions
+        plan = {"tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+                "out": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)}
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        with torch.no_grad():
+            for i, block in enumerate(model.blocks):
+                block.qkv.weight.copy_(block.qkv.weight[order.to(device)])
+                block.qkv.bias.copy_(block.qkv.bias[order.to(device)])
+                block.heads = a.heads // n  # the heads of this rank's slice
+                plan.update({f"blocks.{i}.qkv": ColwiseParallel(input_layouts=stream),
+                             f"blocks.{i}.proj": RowwiseParallel(output_layouts=stream),
+                             f"blocks.{i}.fc1": ColwiseParallel(input_layouts=stream),
+                             f"blocks.{i}.fc2": RowwiseParallel(output_layouts=stream)})
+                if sequence_parallel:
+                    plan.update({f"blocks.{i}.ln1": SequenceParallel(), f"blocks.{i}.ln2": SequenceParallel()})
+        model = parallelize_module(model, init_device_mesh(device.type, (n,)), plan)
+        if sequence_parallel:  # this rank's positions are its slice of the sequence
+            def forward(idx):
+                t = idx.size(1) // n
+                x = model.tokens(idx) + model.positions(torch.arange(rank * t, (rank + 1) * t, device=idx.device))
+                for block in model.blocks:
+                    x = block(x)
+                return model.out(model.norm(x))
+            model.forward = forward
+        optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
 
-    def step(i):
-        x, y = (t.to(device) for t in tp.make_batch(a.seed, i, a.batch_size, a.seq_len))
-        optimizer.zero_grad(set_to_none=False)
-        with loss_parallel():
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-        optimizer.step()
-        return loss.full_tensor().item()
+        def step(i):
+            x, y = (t.to(device) for t in tp.make_batch(a.seed, i, a.batch_size, a.seq_len))
+            optimizer.zero_grad(set_to_none=False)
+            with loss_parallel():
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+            if sequence_parallel:  # a plain parameter that saw this rank's positions only: sum (no style for it)
+                dist.all_reduce(model.positions.weight.grad)
+            optimizer.step()
+            return loss.full_tensor().item()
 
-    seconds, losses = timed(comm, ctx.args.steps, step, device)
-    return {"step_time_s": seconds, "losses": losses}
+        seconds, losses = timed(comm, ctx.args.steps, step, device)
+        return {"step_time_s": seconds, "losses": losses}
+    return run
 
 
 def tensor_cases(ctx):
-    return [Case("tensor_parallel.py", {"kind": "strategy", "strategy": "tensor_parallel", "scaling": True},
-                 strategy("tensor_parallel", "--sample-chars", 0)),
-            Case("torch.distributed.tensor.parallel", {"kind": "peer", "gloo": True},
-                 torch_tensor_parallel)]
+    tp = "tensor_parallel"
+    return [Case(f"{tp}.py", {"kind": "strategy", "strategy": tp, "mode": "plain", "scaling": True},
+                 strategy(tp, "--sample-chars", 0)),
+            Case(f"{tp}.py --sequence-parallel", {"kind": "strategy", "strategy": tp, "mode": "sequence_parallel"},
+                 strategy(tp, "--sample-chars", 0, "--sequence-parallel")),
+            Case(f"{tp}.py --sequence-parallel --no-overlap",
+                 {"kind": "strategy", "strategy": tp, "mode": "sequence_parallel", "overlap": False},
+                 strategy(tp, "--sample-chars", 0, "--sequence-parallel", "--no-overlap")),
+            Case("torch.distributed.tensor.parallel", {"kind": "peer", "mode": "plain", "gloo": True},
+                 torch_tensor_parallel()),
+            Case("torch.distributed.tensor.parallel with SequenceParallel",
+                 {"kind": "peer", "mode": "sequence_parallel", "gloo": True}, torch_tensor_parallel(True))]
 
 
 # -----------------------------------------------------------------------------
@@ -543,6 +576,10 @@ def zero_cases(ctx):
     sdp = "sharded_data_parallel"
     cases = [Case(f"{sdp}.py --zero-stage {k}", {"kind": "strategy", "strategy": sdp, "stage": k},
                   strategy(sdp, "--zero-stage", k)) for k in (1, 2, 3)]
+    # stages 2 and 3 again with --no-overlap: the baseline against which their overlap is timed
+    cases += [Case(f"{sdp}.py --zero-stage {k} --no-overlap",
+                   {"kind": "strategy", "strategy": sdp, "stage": k, "overlap": False},
+                   strategy(sdp, "--zero-stage", k, "--no-overlap")) for k in (2, 3)]
     return cases + [
         Case("PyTorch DDP + AdamW (gloo), unsharded", {"kind": "peer", "variant": "ddp", "stage": 0,
                                                        "gloo": True}, ddp_adamw),
@@ -608,6 +645,97 @@ def hybrid_cases(ctx):
 
 
 # -----------------------------------------------------------------------------
+# Context parallelism: ring against all-gather, zigzag against contiguous; torch's context_parallel
+# -----------------------------------------------------------------------------
+def torch_context_parallel(ctx):
+    """context_parallel.py's network and batch under torch.distributed.tensor.experimental's
+    context_parallel on gloo: the whole model on every rank, its attention torch's causal
+    scaled_dot_product_attention, the inputs, targets and positions cut along the sequence by
+    torch (its load balancer), the parameters' gradients and the loss summed over the ranks, as
+    context_parallel.py sums them. A first step is tried on every rank before the timing: where
+    torch cannot run it, the case's one line is what it raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    cpm = importlib.import_module("context_parallel")
+    comm, device, n = ctx.comm, ctx.device, ctx.comm.Get_size()
+    if device.type == "cuda":
+        raise CannotRun("the context-parallel peer is measured on the CPU only (gloo)")
+    a = defaults("context_parallel", n)
+    model = cpm.build_model(a, device)
+    model.attention = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mesh = init_device_mesh(device.type, (n,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    tokens = a.batch_size * a.seq_len
+
+    def step(i):
+        x, y = cpm.make_batch(a.seed, i, a.batch_size, a.seq_len)
+        positions = torch.arange(a.seq_len)
+        optimizer.zero_grad(set_to_none=False)
+        with context_parallel(mesh, buffers=[x, y, positions], buffer_seq_dims=[1, 1, 0],
+                              no_restore_buffers={x, y, positions}):
+            loss = F.cross_entropy(model(x, positions).flatten(0, 1), y.flatten(), reduction="sum") / tokens
+            loss.backward()
+        for p in model.parameters():  # each rank saw its share of the positions: sum, as the script does
+            dist.all_reduce(p.grad)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        optimizer.step()
+        return total.item()
+
+    error = None
+    try:  # a first forward and backward, before any collective: a rank that cannot run it tells the others
+        x, y = cpm.make_batch(a.seed, 0, a.batch_size, a.seq_len)
+        positions = torch.arange(a.seq_len)
+        with context_parallel(mesh, buffers=[x, y, positions], buffer_seq_dims=[1, 1, 0],
+                              no_restore_buffers={x, y, positions}):
+            F.cross_entropy(model(x, positions).flatten(0, 1), y.flatten()).backward()
+    except Exception as e:  # noqa: BLE001 (told to every rank below)
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise CannotRun(f"does not run on CPU processes: torch {torch.__version__} replaces only the CUDA kernels "
+                        f"of scaled_dot_product_attention (flash, efficient, cuDNN) with its ring, and the CPU's "
+                        f"raised {errors[0]}" if "_for_cpu" in errors[0] else errors[0])
+    seconds, losses = timed(comm, ctx.args.steps, step, device)
+    return {"step_time_s": seconds, "losses": losses}
+
+
+def context_cases(ctx):
+    cp = "context_parallel"
+    return [Case(f"{cp}.py --cp-comm ring --layout zigzag", {"kind": "strategy", "strategy": cp,
+                                                              "cp_comm": "ring", "layout": "zigzag"},
+                 strategy(cp)),
+            Case(f"{cp}.py --cp-comm allgather --layout zigzag",
+                 {"kind": "strategy", "strategy": cp, "cp_comm": "allgather", "layout": "zigzag"},
+                 strategy(cp, "--cp-comm", "allgather")),
+            Case(f"{cp}.py --cp-comm ring --layout contiguous",
+                 {"kind": "strategy", "strategy": cp, "cp_comm": "ring", "layout": "contiguous"},
+                 strategy(cp, "--layout", "contiguous")),
+            Case(f"{cp}.py --cp-comm ring --layout zigzag --no-overlap",
+                 {"kind": "strategy", "strategy": cp, "cp_comm": "ring", "layout": "zigzag", "overlap": False},
+                 strategy(cp, "--no-overlap")),
+            Case("torch.distributed.tensor.experimental.context_parallel (gloo)", {"kind": "peer", "gloo": True},
+                 torch_context_parallel)]
+
+
+# -----------------------------------------------------------------------------
+# Expert parallelism: the experts spread over the ranks against every rank holding them all
+# -----------------------------------------------------------------------------
+EP_CAPACITY = 1.0  # a capacity factor that drops the pairs beyond an even share
+
+
+def expert_cases(ctx):
+    ep, n = "expert_parallel", ctx.comm.Get_size()
+    cases = [Case(f"{ep}.py --ep {n}", {"kind": "strategy", "strategy": ep, "ep": n, "capacity": None},
+                  strategy(ep, "--ep", n)),
+             Case(f"{ep}.py --ep 1", {"kind": "strategy", "strategy": ep, "ep": 1, "capacity": None},
+                  strategy(ep, "--ep", 1))]
+    return cases + [Case(f"{ep}.py --ep {n} --capacity-factor {EP_CAPACITY:g}",
+                         {"kind": "strategy", "strategy": ep, "ep": n, "capacity": EP_CAPACITY},
+                         strategy(ep, "--ep", n, "--capacity-factor", EP_CAPACITY))] if n > 1 else cases
+
+
+# -----------------------------------------------------------------------------
 # Scaling: each strategy at N = 1, 2, 4 in one job, so that the sizes take turns too
 # -----------------------------------------------------------------------------
 def wait_quietly(comm):
@@ -660,9 +788,10 @@ def scaling_cases(ctx):
 
 
 GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "zero": zero_cases,
-          "hybrid": hybrid_cases, "scaling": scaling_cases}
+          "hybrid": hybrid_cases, "cp": context_cases, "ep": expert_cases, "scaling": scaling_cases}
 CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel",
-             "zero": "sharded_data_parallel", "hybrid": "hybrid_parallel"}
+             "zero": "sharded_data_parallel", "hybrid": "hybrid_parallel", "cp": "context_parallel",
+             "ep": "expert_parallel"}
 
 
 # -----------------------------------------------------------------------------
@@ -704,8 +833,8 @@ def config(group, world_size):
             a = defaults(CONFIG_OF[group], world_size, *(PP_NETWORK if group == "pp" else ()))
     except Exception:  # noqa: BLE001 (a group with no network of its own, a grid this size cannot hold)
         return None
-    return {k: getattr(a, k) for k in ("batch_size", "layers", "hidden", "heads", "seq_len", "lr", "seed")
-            if hasattr(a, k)}
+    return {k: getattr(a, k) for k in ("batch_size", "layers", "hidden", "heads", "seq_len", "lr", "seed",
+                                       "experts", "top_k") if hasattr(a, k)}
 
 
 def wanted(tags, args):

@@ -165,11 +165,141 @@ def test_the_zero_table_pairs_each_stage_with_its_peer_and_sets_memory_beside_th
 def test_a_short_zero_job_gives_every_case_a_result_or_one_line_why():
     out = launch("bench/worker.py", 2, "zero", "--rounds", "1", "--steps", "2")
     cases = last_json(out)["groups"]["zero"]["cases"]
-    assert len(cases) == 7 and all(
+    assert len(cases) == 9 and all(
         ("error" in c["result"]) != ("step_time_s" in c["result"]) for c in cases), json.dumps(cases)[:2000]
     assert all("\n" not in c["result"]["error"] for c in cases if "error" in c["result"])
     ours = [c["result"] for c in cases if c["tags"]["kind"] == "strategy"]
-    assert [r["zero_stage"] for r in ours] == [1, 2, 3]
+    assert [r["zero_stage"] for r in ours] == [1, 2, 3, 2, 3]  # stages 2 and 3 again with --no-overlap
+
+
+def tp_job():
+    """A tensor-parallel job at N = 2: plain and --sequence-parallel (with and without overlap), each beside
+    torch's peer of its mode."""
+    def ours(label, tags, seconds, comm, overlapped, calls, sent, saved):
+        return case(f"tensor_parallel.py{label}", {"kind": "strategy", "strategy": "tensor_parallel", **tags},
+                    seconds, comm_s=sorted(comm)[1], comm_s_rounds=comm, collectives_per_step=calls,
+                    collectives_formula=calls, comm_bytes_per_step=sent, comm_bytes_formula=sent,
+                    activation_bytes_per_rank=[saved, saved], activation_bytes_formula=saved, losses=[4.8, 4.4],
+                    overlap={"exchanges_under_weight_grad": [overlapped, 9]})
+    return {"group": "tp", "ranks": 2, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 6, "rounds": 3, "mpi_library": "MPICH Version: 5.0.2",
+        "config": {"layers": 4, "hidden": 64, "heads": 4, "batch_size": 16, "seq_len": 64}, "cases": [
+            ours("", {"mode": "plain"}, [0.050, 0.050, 0.050], [0.010] * 3, 9, 21, 4730880, 13_478_400),
+            ours(" --sequence-parallel", {"mode": "sequence_parallel"}, [0.060, 0.064, 0.072],
+                 [0.010, 0.012, 0.011], 9, 40, 7113216, 12_261_888),
+            ours(" --sequence-parallel --no-overlap", {"mode": "sequence_parallel", "overlap": False},
+                 [0.080, 0.080, 0.080], [0.020, 0.020, 0.022], 0, 40, 7113216, 12_261_888),
+            case("torch.distributed.tensor.parallel", {"kind": "peer", "mode": "plain"}, [0.100] * 3,
+                 losses=[4.8, 4.4]),
+            case("torch.distributed.tensor.parallel with SequenceParallel", {"kind": "peer", "mode": "sequence_parallel"},
+                 [0.120] * 3, losses=[4.8, 4.4 + 3e-7])]}}
+
+
+def test_the_tensor_table_pairs_sequence_parallelism_with_torchs_and_sets_activations_beside_the_formula():
+    text = report.render({**META, "missing": []}, [tp_job()])
+    # 0.060/0.120, 0.064/0.120, 0.072/0.120: 0.50, 0.53, 0.60; activations 12,261,888 bytes beside the formula.
+    assert ("| 2 | tensor_parallel.py --sequence-parallel | 64.0 (60.0–72.0) | 0.53× (0.50–0.60) | 40 (40) "
+            "| 7,113,216 (7,113,216) | 12.26 / 12.26 (12.26) | – | – |") in text
+    assert "| 2 | torch.distributed.tensor.parallel with SequenceParallel | 120.0 (120.0–120.0) | 1.00× | – | – | – " \
+           "| 3.0e-07 | – |" in text
+    assert ("tensor_parallel.py --sequence-parallel is faster than torch's SequenceParallel: 0.53× its step "
+            "time") in text
+    # 12.26 / 13.48 MB = 0.91; 7,113,216 / 4,730,880 bytes = 1.50; the steps 1.20, 1.28, 1.44 of plain's.
+    assert ("--sequence-parallel saves 12.26 MB of activations per rank against 13.48 MB plain, 0.91× measured "
+            "(the formulas: 0.91×); it hands MPI 1.50× the bytes per step in 40 collectives against 21, and its "
+            "step takes 1.28× plain's") in text
+
+
+def cp_job():
+    """A context-parallel job at N = 4: the ring (zigzag, also with --no-overlap), the all-gather, the
+    contiguous layout, and torch's peer unable to run."""
+    def ours(label, tags, seconds, comm, pairs, sent, messages, collectives, **more):
+        return case(f"context_parallel.py {label}", {"kind": "strategy", "strategy": "context_parallel", **tags},
+                    seconds, comm_s=comm[1], comm_s_rounds=comm, causal_pairs_per_rank=pairs,
+                    comm_bytes_per_step=sent, comm_bytes_formula=sent, messages_per_step=messages,
+                    collectives_per_step=collectives, losses=[4.8, 4.5], **more)
+    ring, zigzag = {"cp_comm": "ring", "layout": "zigzag"}, [7230] * 4
+    return {"group": "cp", "ranks": 4, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 4, "rounds": 3, "mpi_library": "MPICH Version: 5.0.2",
+        "config": {"layers": 4, "hidden": 64, "heads": 4, "batch_size": 16, "seq_len": 240}, "cases": [
+            ours("--cp-comm ring --layout zigzag", ring, [0.30] * 3, [0.012] * 3, zigzag, 20_000_000, 40, 2,
+                 overlap={"kv_messages_under_compute": [120, 160]}),
+            ours("--cp-comm allgather --layout zigzag", {"cp_comm": "allgather", "layout": "zigzag"},
+                 [0.36, 0.33, 0.33], [0.02] * 3, zigzag, 14_000_000, 0, 14),
+            ours("--cp-comm ring --layout contiguous", {"cp_comm": "ring", "layout": "contiguous"}, [0.39] * 3,
+                 [0.012] * 3, [1830, 5430, 9030, 12630], 20_000_000, 40, 2),
+            ours("--cp-comm ring --layout zigzag --no-overlap", {**ring, "overlap": False}, [0.30, 0.31, 0.32],
+                 [0.010] * 3, zigzag, 20_000_000, 40, 2, overlap={"kv_messages_under_compute": [0, 160]}),
+            {"label": "torch.distributed.tensor.experimental.context_parallel (gloo)", "tags": {"kind": "peer"},
+             "result": {"error": "does not run on CPU processes: NotImplementedError: no sharding strategy"}}]}}
+
+
+def test_the_context_table_gives_each_variant_against_the_ring_and_the_busiest_ranks_share_of_the_work():
+    text = report.render({**META, "missing": []}, [cp_job()])
+    section = text.split("## Context parallelism")[1].split("## ")[0]
+    # contiguous at N = 4: the last rank's 12,630 of the 28,920 pairs, 44%, against 25% for an even split
+    assert ("| 4 † | context_parallel.py --cp-comm ring --layout contiguous | 390.0 (390.0–390.0) | 1.30× (1.30–1.30) "
+            "| 1,830 / 5,430 / 9,030 / 12,630: 44% (even 25%) | 20,000,000 (20,000,000) | 40 + 2 | 0.0e+00 | – |") \
+        in section
+    assert "| 0 + 14 |" in section
+    assert "not measured: does not run on CPU processes: NotImplementedError: no sharding strategy" in section
+    assert ("the ring is faster than --cp-comm allgather: --cp-comm allgather takes 1.10× its step time (median "
+            "of 3 rounds, 1.10 to 1.20)") in text
+    assert "with --layout contiguous the busiest rank computes 44% of the causal pairs, with zigzag 25% (even: 25%)" \
+        in text
+    assert ("the ring hands MPI 20,000,000 bytes per step and rank, --cp-comm allgather 14,000,000 (0.70×); every "
+            "run's bytes equal its formula") in text
+
+
+def ep_job():
+    """An expert-parallel job at N = 2: --ep 2, --ep 1 and --ep 2 with a capacity that drops pairs."""
+    def ours(label, tags, seconds, experts, rows=6291456, dropped=0, losses=(4.8, 4.5)):
+        kinds = {"Alltoallv": rows, "Alltoall": 128, "router": 128, "dense": 356864, "experts": experts}
+        return case(f"expert_parallel.py {label}", {"kind": "strategy", "strategy": "expert_parallel", **tags},
+                    seconds, comm_bytes_by_kind=kinds, comm_bytes_formula_by_kind=kinds,
+                    comm_bytes_per_step=sum(kinds.values()), comm_bytes_formula=sum(kinds.values()),
+                    tokens_per_expert=[[768, 768, 768, 768], [1536, 0, 768, 768]], tokens_dropped=dropped,
+                    losses=list(losses))
+    return {"group": "ep", "ranks": 2, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 4, "rounds": 3, "config": {"layers": 2, "hidden": 64, "heads": 4, "batch_size": 24, "seq_len": 64,
+                                            "experts": 4, "top_k": 2}, "cases": [
+            ours("--ep 2", {"ep": 2, "capacity": None}, [0.08, 0.09, 0.095], 1058816, losses=(4.8, 4.5 + 2e-7)),
+            ours("--ep 1", {"ep": 1, "capacity": None}, [0.10] * 3, 2117632),
+            ours("--ep 2 --capacity-factor 1", {"ep": 2, "capacity": 1.0}, [0.072] * 3, 1058816, rows=5_000_000,
+                 dropped=4096, losses=(4.8, 4.6))]}}
+
+
+def test_the_expert_table_gives_the_spread_experts_against_replicated_ones_with_bytes_load_and_drops():
+    text = report.render({**META, "missing": []}, [ep_job()])
+    # all-to-all: 6,291,456 rows + 128 of counts; block 1's busiest expert 1,536 = 2.00 x an even 768;
+    # 2 blocks x top-2 x 24 x 64 tokens x 4 steps = 24,576 pairs, 4,096 of them dropped.
+    assert ("| 2 | expert_parallel.py --ep 2 | 90.0 (80.0–95.0) | 0.90× (0.80–0.95) | 6,291,584 (6,291,584) "
+            "| 7,707,392 (7,707,392) | 1.00 / 2.00 | 0 | 2.0e-07 | – |") in text
+    assert "| 4,096 of 24,576 (17%) | 1.0e-01 | – |" in text
+    assert "--ep 2 is faster than --ep 1: 0.90× its step time (median of 3 rounds, 0.80 to 0.95)" in text
+    assert ("the experts' gradient allreduce 1,058,816 against 2,117,632 bytes") in text
+    assert "the busiest expert of block 1 takes 2.00× an even share (its tokens per expert: 1536 / 0 / 768 / 768)" \
+        in text
+    assert "--ep 2 --capacity-factor 1 drops 4,096 (token, choice) pairs over the run; its step takes 0.80×" in text
+    assert "--ep 2 and --ep 1 train loss curves within 2.0e-07 of each other over 4 steps" in text
+
+
+def test_the_overlap_table_says_how_much_of_each_exchange_was_hidden_or_plainly_that_none_was():
+    text = report.render({**META, "missing": []}, [tp_job(), cp_job()])
+    section = text.split("## Overlap")[1].split("## ")[0]
+    # exposed 10, 12, 11 ms against 20, 20, 22: halves, 60%, halves hidden; the steps 0.75, 0.80, 0.90 of the
+    # steps without.
+    assert ("| 2 | tensor_parallel.py --sequence-parallel | 11.0 / 20.0 | 50% (40% to 50%) | 0.80× (0.75–0.90) "
+            "| exchanges under weight grad 9/9 (0/9) |") in section
+    assert ("| 4 † | context_parallel.py --cp-comm ring --layout zigzag | 12.0 / 10.0 | -20% (-20% to -20%) "
+            "| 0.97× (0.94–1.00) | kv messages under compute 120/160 (0/160) |") in section
+    assert ("Overlap, N = 2: tensor_parallel.py --sequence-parallel hides 50% of its exchange time (11.0 ms exposed "
+            "a step against 20.0 ms with --no-overlap; rounds 40% to 50%); the step takes 0.80× the step without.") \
+        in text
+    assert ("Overlap, N = 4 †: context_parallel.py --cp-comm ring --layout zigzag hides none of its exchange time "
+            "(12.0 ms exposed a step against 10.0 ms with --no-overlap: 20% more with overlap; rounds -20% to -20%); "
+            "the step takes 0.97× the step without. MPICH without its progress thread moves a non-blocking exchange "
+            "on only inside an MPI call") in text
 
 
 # -----------------------------------------------------------------------------
