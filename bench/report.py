@@ -467,10 +467,11 @@ def hidden_share(a, b):
 
 def overlap_counts(r, baseline):
     """The script's `overlap` counts, [started in time, total] per name: 'name a/b (the baseline's a/b)'."""
-    without = baseline.get("overlap") or {}
+    counts, without = r.get("overlap"), baseline.get("overlap")
+    counts, without = (x if isinstance(x, dict) else {} for x in (counts, without))  # older scripts: a flag
     return "; ".join(f"{name.replace('_', ' ')} {a}/{b}" + (f" ({'/'.join(map(str, without[name]))})"
                                                            if name in without else "")
-                     for name, (a, b) in (r.get("overlap") or {}).items()) or "–"
+                     for name, (a, b) in counts.items()) or "–"
 
 
 def overlap(meta, runs, cores):

@@ -285,8 +285,18 @@ def test_the_expert_table_gives_the_spread_experts_against_replicated_ones_with_
 
 
 def test_the_overlap_table_says_how_much_of_each_exchange_was_hidden_or_plainly_that_none_was():
-    text = report.render({**META, "missing": []}, [tp_job(), cp_job()])
+    dp = {"group": "dp", "ranks": 2, "env": {}, "error": None, "result": {"steps": 16, "rounds": 2, "cases": [
+        case("data_parallel.py --bucket-mb 0.05", {"kind": "strategy", "variant": "small"}, [0.02, 0.02],
+             comm_s=0.001, comm_s_rounds=[0.001, 0.003], buckets=2, overlap=True),  # an older script's flag
+        case("data_parallel.py --no-overlap", {"kind": "strategy", "variant": "no_overlap"}, [0.02, 0.02],
+             comm_s=0.002, comm_s_rounds=[0.002, 0.002], buckets=1, overlap=True),
+        case("bare MPI Allreduce of the gradients", {"kind": "limit", "variant": "mpi"}, [0.0005], bytes=247960)]}}
+    text = report.render({**META, "missing": []}, [dp, tp_job(), cp_job()])
     section = text.split("## Overlap")[1].split("## ")[0]
+    # 1 - 1/2 and 1 - 3/2: one round hid half, the other lost half: no verdict
+    assert "| 2 | data_parallel.py --bucket-mb 0.05 | 1.0 / 2.0 | 0% (-50% to 50%) | 1.00× (1.00–1.00) | – |" in section
+    assert ("data_parallel.py --bucket-mb 0.05: the rounds disagree on whether any of its exchange time was "
+            "hidden") in text
     # exposed 10, 12, 11 ms against 20, 20, 22: halves, 60%, halves hidden; the steps 0.75, 0.80, 0.90 of the
     # steps without.
     assert ("| 2 | tensor_parallel.py --sequence-parallel | 11.0 / 20.0 | 50% (40% to 50%) | 0.80× (0.75–0.90) "
