@@ -398,7 +398,7 @@ def torch_tensor_parallel(sequence_parallel=False):
             with loss_parallel():
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
                 loss.backward()
-            if sequence_parallel:  # a plain parameter that saw this rank's positions only: sum (no style for it)
+            if sequence_parallel:  # a plain parameter that saw this rank's positions only: summed by hand
                 dist.all_reduce(model.positions.weight.grad)
             optimizer.step()
             return loss.full_tensor().item()
