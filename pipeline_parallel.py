@@ -1201,7 +1201,8 @@ class PeakMemory:
     """The most memory this rank held while training, less what it held before the model was
     built. CUDA: the allocator's peak. CPU: the peak resident set (VmHWM) less its file-backed
     pages (torch's code, loaded as kernels are first used), which means something because
-    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process."""
+    start_mpi() fixed the C library's mmap threshold: freed tensors leave the process. Memory
+    that training reuses from what the process had freed before (small chunks) is not seen."""
 
     def __init__(self, device):  # before the model is built
         __import__("torch._dynamo")  # torch's first optimizer imports it: 60+ MB of Python, not training
