@@ -49,7 +49,7 @@ et al.'s sbh(10 + 24/t + 5as/(ht)) and (sbh/t)(34 + 5as/h) into, with s, b, a, t
 
 When to choose it: a layer's weights or activations do not fit on one device and the ranks share
 a fast link (Megatron: within a node, on NVLink; data or pipeline parallelism across nodes); with
-sequence parallelism, for the same bytes, activations too. On a CPU this model is faster in one process.
+sequence parallelism, for the same bytes, activations too.
 
 The text: this Python's own argparse.py, textwrap.py and shlex.py, bytes >= 128 replaced by '?'.
 
