@@ -58,7 +58,7 @@ def plan(mode):
     job is killed past it."""
     if mode == "quick":
         flags = ["--rounds", "1", "--steps", "5", "--collective-reps", "20", "--micro-batches", "2,8"]
-        return [Job(("dp", "pp", "tp", "zero", "scaling"), 2, flags, {}, 60, 160)]
+        return [Job(("dp", "pp", "tp", "zero", "cp", "ep", "scaling"), 2, flags, {}, 60, 160)]
     if mode == "gpu":  # peers apart, so that one failing cannot take a strategy's rows with it
         # Every strategy with --check at 2 and 4 ranks (ranks may share a GPU), in both transports:
         # staged through host memory, and as the library decides (direct where it is CUDA-aware).
