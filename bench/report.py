@@ -18,6 +18,11 @@ def job(runs, group, ranks, env=None):
                  and r["env"] == (env or {})), None)
 
 
+def jobs_measured(runs, group, sizes=(2, 4)):
+    """(N, job) for each world size at which the group's job ran and returned its results."""
+    return [(n, j) for n, j in ((n, job(runs, group, n)) for n in sizes) if j and j["result"]]
+
+
 def case(run, **tags):
     """The first case of a job whose tags hold all of `tags`; None when there is none."""
     if not run or not run["result"]:
@@ -231,8 +236,7 @@ def data_parallel(meta, runs, cores):
 def pipeline(meta, runs, cores):
     lines = ["## Pipeline and model parallelism: every schedule, a range of M, "
              "torch.distributed.pipelining", ""]
-    jobs = [(n, job(runs, "pp", n)) for n in (2, 4)]
-    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    jobs = jobs_measured(runs, "pp")
     if not jobs:
         return lines + ["Not measured (see above).", ""]
     first = jobs[0][1]["result"]
@@ -287,8 +291,7 @@ def pipeline(meta, runs, cores):
 
 def tensor_parallel(meta, runs, cores):
     lines = ["## Tensor parallelism: tensor_parallel.py and torch.distributed.tensor.parallel", ""]
-    jobs = [(n, job(runs, "tp", n)) for n in (1, 2, 4)]
-    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    jobs = jobs_measured(runs, "tp", (1, 2, 4))
     if not jobs:
         return lines + ["Not measured (see above).", ""]
     first = jobs[0][1]["result"]
@@ -337,8 +340,7 @@ def slowest_share(pairs):
 
 def context_parallel(meta, runs, cores):
     lines = ["## Context parallelism: ring against all-gather, zigzag against contiguous", ""]
-    jobs = [(n, job(runs, "cp", n)) for n in (2, 4)]
-    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    jobs = jobs_measured(runs, "cp")
     if not jobs:
         return lines + ["Not measured (see above).", ""]
     first = jobs[0][1]["result"]
@@ -388,8 +390,7 @@ def busiest_expert(r):
 
 def expert_parallel(meta, runs, cores):
     lines = ["## Expert parallelism: the experts spread over the ranks against every rank holding them all", ""]
-    jobs = [(n, job(runs, "ep", n)) for n in (2, 4)]
-    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    jobs = jobs_measured(runs, "ep")
     if not jobs:
         return lines + ["Not measured (see above).", ""]
     first = jobs[0][1]["result"]
@@ -596,8 +597,7 @@ def counterpart(j, c):
 
 def sharded(meta, runs, cores):
     lines = ["## ZeRO: sharded_data_parallel.py against ZeroRedundancyOptimizer and FSDP2", ""]
-    jobs = [(n, job(runs, "zero", n)) for n in (2, 4)]
-    jobs = [(n, j) for n, j in jobs if j and j["result"]]
+    jobs = jobs_measured(runs, "zero")
     if not jobs:
         return lines + ["Not measured (see above).", ""]
     first = jobs[0][1]["result"]
