@@ -43,11 +43,11 @@ def test_the_machinery_is_word_for_word_alike(script):
 
 @pytest.mark.parametrize("script", PRESENT)
 def test_each_part_keeps_its_budget(script):
-    """The lesson at most 500 lines (pipeline and hybrid 750); below the divider, the file's own
-    machinery at most 200 lines of definitions, the shared machinery at most 450."""
+    """The lesson at most 500 lines, its divider included (pipeline and hybrid 750); below the
+    divider, the file's own machinery at most 200 lines of definitions, the shared machinery at most 450."""
     lesson, own, shared = parts(script)
     lesson_budget = 750 if script in ("pipeline_parallel.py", "hybrid_parallel.py") else 500
-    assert len(lesson.splitlines()) <= lesson_budget
+    assert len(lesson.splitlines()) + 1 <= lesson_budget  # + 1: the divider's own line
     assert definition_lines(own) <= 200 and definition_lines(shared) <= 450, (definition_lines(own), definition_lines(shared))
 
 
