@@ -18,6 +18,7 @@ SCRIPTS = ["data_parallel.py", "tensor_parallel.py", "pipeline_parallel.py", "mo
            "sharded_data_parallel.py", "hybrid_parallel.py", "context_parallel.py", "expert_parallel.py"]
 PRESENT = [s for s in SCRIPTS if (ROOT / s).exists()]
 DIVIDER = "# " + "=" * 77
+LESSON_BUDGETS = {"context_parallel.py": 600, "pipeline_parallel.py": 800, "hybrid_parallel.py": 1000}
 SHARED_MARK = "# --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---"
 
 
@@ -43,12 +44,13 @@ def test_the_machinery_is_word_for_word_alike(script):
 
 @pytest.mark.parametrize("script", PRESENT)
 def test_each_part_keeps_its_budget(script):
-    """The lesson at most 500 lines, its divider included (pipeline and hybrid 750); below the
-    divider, the file's own machinery at most 200 lines of definitions, the shared machinery at most 450."""
+    """The lesson at most 550 lines, its divider included (context 600, pipeline 800, hybrid 1,000:
+    it composes five); below the divider, the file's own machinery at most 200 lines of
+    definitions, the shared machinery at most 500."""
     lesson, own, shared = parts(script)
-    lesson_budget = 750 if script in ("pipeline_parallel.py", "hybrid_parallel.py") else 500
+    lesson_budget = LESSON_BUDGETS.get(script, 550)
     assert len(lesson.splitlines()) + 1 <= lesson_budget  # + 1: the divider's own line
-    assert definition_lines(own) <= 200 and definition_lines(shared) <= 450, (definition_lines(own), definition_lines(shared))
+    assert definition_lines(own) <= 200 and definition_lines(shared) <= 500, (definition_lines(own), definition_lines(shared))
 
 
 @pytest.mark.parametrize("script", PRESENT)
