@@ -29,10 +29,15 @@ row-parallel regions x is cut along the sequence, rank r holding positions [rT/N
   (blocks and embedding): reduce-scatter forward, all-gather backward. LayerNorms, biases,
   positions (at their global offsets) and residual adds work on the slice, so their parameters'
   gradients are partial: one allreduce after backward sums them (forgotten, the replicas drift
-  apart in silence). --regather: a column-parallel layer keeps only its input slice and gathers it
-  again in backward (Megatron's way). Overlap (both modes; --no-overlap is the baseline): a
-  column-parallel layer's backward starts the input gradient's allreduce (f) or reduce-scatter (g)
-  non-blocking, and computes the weight gradient while it travels.
+  apart: this script compares their checksums after training and raises). --regather: a
+  column-parallel layer keeps only its input slice and gathers it again in backward (Megatron's
+  way). Overlap (both modes; --no-overlap is the baseline): a column-parallel layer's backward
+  posts the input gradient's allreduce (f) or reduce-scatter (g) non-blocking before its
+  weight-gradient matmul begins and waits for it only after the matmul ends. That is all the code
+  can guarantee; whether the bytes move during the matmul is the MPI's doing: MPICH without
+  asynchronous progress (the pip wheel's default) moves them only inside MPI calls, so here
+  mostly at the Wait; with MPIR_CVAR_ASYNC_PROGRESS=1, or a network that progresses on its own,
+  they travel while the matmul runs.
 
 Communication per step (L blocks, B sequences of T characters, hidden h, float32, A = 4BTh bytes):
   plain: 4L + 5 collectives, the paper's two allreduces of A forward (f̄) and two backward (f) per
@@ -172,8 +177,8 @@ def start_input_gradient_sum(partial, group):
 
 class ColumnParallelMatmul(torch.autograd.Function):
     """Y_r = X A_r^T + b_r, rank r's output features, with f before it (g, which gathers X, when
-    the stream is cut along the sequence). Backward starts the input gradient's sum, then computes
-    the weight gradient while it travels (Megatron's asynchronous gradient all-reduce)."""
+    the stream is cut along the sequence). Backward posts the input gradient's sum, computes the
+    weight gradient, then waits for the sum (Megatron's asynchronous gradient all-reduce)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
@@ -188,13 +193,13 @@ class ColumnParallelMatmul(torch.autograd.Function):
         group = ctx.group
         whole = all_gather_sequence(saved, group.comm) if group.regather else saved
         partial = dy.matmul(weight)  # the input gradient through this rank's columns alone
-        with group.timeline.span("compute", "weight grad"):  # the exchange travels while the matmul runs
-            exchange = start_input_gradient_sum(partial, group) if group.overlap else None
+        exchange = start_input_gradient_sum(partial, group) if group.overlap else None  # posted first
+        with group.timeline.span("compute", "weight grad"):  # then the matmul it may hide behind
             dy = dy.reshape(-1, dy.size(-1))
             grad_weight = dy.t().matmul(whole.reshape(-1, whole.size(-1)))
             grad_bias = dy.sum(0) if ctx.has_bias else None
         total, receive, send, request = exchange or start_input_gradient_sum(partial, group)
-        request.Wait()  # send: MPI reads it until here
+        request.Wait()  # waited for only after the matmul; send: MPI reads it until here
         return from_mpi(total, receive), grad_weight, grad_bias, None
 
 
@@ -606,6 +611,20 @@ def communication_formula(args, world_size):
     handed = (4 * L + 2) * A + (4 * L + 2 + regathers) * A // N + loss + grads
     return 8 * L + 8 + regathers, handed, (N - 1) / N * (8 * L + 4 + regathers) * A + 2 * (N - 1) / N * (loss + grads)
 
+def posted_before_weight_grad(events):
+    """[n, total]: of the input gradients' exchanges among the spans (name, cat, begin, end), how
+    many were posted before a weight-gradient matmul began and waited for only after it ended, the
+    order an overlap needs (an exchange started after the matmul, or waited before it, hides
+    nothing). The k-th post of a kind is paired with its k-th wait: each is waited in turn."""
+    matmuls = [(begin, end) for name, _, begin, end in events if name == "weight grad"]
+    n = total = 0
+    for kind in ("Iallreduce", "Ireduce_scatter_block"):
+        posts = sorted(end for name, _, _, end in events if name == kind)
+        waits = sorted(begin for name, _, begin, _ in events if name == kind + " wait")
+        total += len(posts)
+        n += sum(any(posted <= b and e <= waited for b, e in matmuls) for posted, waited in zip(posts, waits))
+    return [n, total]
+
 def model_config(args, world_size):
     """What the shapes of a checkpoint's slices depend on."""
     return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
@@ -630,7 +649,7 @@ def print_header(comm, args, run, model, full_params, resumed):
            f"each rank: {args.heads // world_size} of {args.heads} heads, {4 * h // world_size} of {4 * h} "
            f"MLP features, {padded // world_size} of {padded} vocabulary rows | batch {args.batch_size} x "
            f"{args.seq_len} characters, {stream} | input gradients exchanged "
-           f"{'after the weight gradient (--no-overlap)' if args.no_overlap else 'during the weight gradient'}",
+           f"{'after the weight gradient (--no-overlap)' if args.no_overlap else 'posted before the weight gradient, waited after'}",
            f"text: {' + '.join(s + '.py' for s in SOURCES)} of Python {sys.version.split()[0]} "
            f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes"
            + (f", padded to {padded} (a multiple of {world_size}, as Megatron pads; the padding is "
@@ -645,9 +664,7 @@ def report(comm, args, run, model, full_params, losses, records, traffic, meter,
     formulas = {mode: activation_bytes_formula(args, world_size, *flags) for mode, flags in modes.items()}
     mode = "regather" if args.regather else "sequence_parallel" if args.sequence_parallel else "plain"
     saved = comm.allgather(meter.bytes)
-    # an exchange hides behind the weight-gradient matmul only if it starts before the matmul ends
-    overlap = {"exchanges_under_weight_grad": started_within(
-        run.timeline.step_events, ("Iallreduce", "Ireduce_scatter_block"), "weight grad")}
+    overlap = {"exchanges_under_weight_grad": posted_before_weight_grad(run.timeline.step_events)}
     by_name = ", ".join(f"{name} {n:g}" for name, n in sorted(calls.items()))
     formula = ("8L + 8" + " + 2L + 1" * args.regather) if args.sequence_parallel else "4L + 5"
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "

@@ -20,7 +20,6 @@ CPU = torch.device("cpu")
 LAYER_TOLERANCE = 1e-5
 # Divisible by 1, 2, 3 and 4, so every world size in SIZES can split the heads and the sequence.
 SMALL = ["--layers", "2", "--hidden", "48", "--heads", "12", "--seq-len", "12", "--batch-size", "3"]
-EXCHANGES = ("Iallreduce", "Ireduce_scatter_block")  # the input gradients' sums, started non-blocking
 
 
 def counted(comm):
@@ -364,8 +363,8 @@ def test_training_in_every_mode_equals_single_process_training(size, monkeypatch
     """Four steps plain, with --sequence-parallel, and with --regather --no-overlap: each within
     the tolerance of one process, the two sequence-parallel runs bitwise alike (the regathered
     input is the one kept), replicated parameters bitwise alike on every rank (with the sequence
-    cut, only if their partial gradients are summed), every input gradient's exchange started
-    inside its weight-gradient matmul, none with --no-overlap."""
+    cut, only if their partial gradients are summed), every input gradient's exchange posted
+    before its weight-gradient matmul began and waited for after it ended, none with --no-overlap."""
     real, kept = tp.reference_training, []
 
     def reference_once(args):  # one process trains alike whatever the modes' flags
@@ -384,7 +383,7 @@ def test_training_in_every_mode_equals_single_process_training(size, monkeypatch
             losses, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
             runs[mode] = {"losses": losses, "check": tp.check(comm, args, losses, model) <= tp.TOLERANCE,
                           "replicas": len(set(comm.allgather(tp.replicated_checksum(model)))) == 1,
-                          "overlap": tp.started_within(group.timeline.step_events, EXCHANGES, "weight grad"),
+                          "overlap": tp.posted_before_weight_grad(group.timeline.step_events),
                           "state": [p.detach().clone() for p in model.parameters()]}
         sequence, regather = runs["sequence"], runs["regather"]
         return {**{f"{mode} {key}": run[key] for mode, run in runs.items() for key in ("check", "replicas")},
@@ -546,8 +545,8 @@ def test_vocabulary_is_padded_to_a_multiple_of_the_world_size():
 def test_world_sizes_agree_and_pass_their_check(tmp_path):
     """N = 1 and 2 with the default network (a smaller batch, for time), N = 4 with the sequence
     cut: the same losses and the same sample, each within the check's tolerance, with the
-    collectives and bytes of the docstring's formulas and every input gradient's exchange started
-    inside its weight-gradient matmul."""
+    collectives and bytes of the docstring's formulas and every input gradient's exchange posted
+    before its weight-gradient matmul began and waited for after it ended, in the trace too."""
     common = ["--steps", "5", "--sample-chars", "20", "--batch-size", "4", "--seq-len", "32", "--json"]
     runs = {1: last_json(launch("tensor_parallel.py", 1, *common)),
             2: last_json(launch("tensor_parallel.py", 2, *common, "--trace", tmp_path / "trace.json")),
@@ -572,7 +571,10 @@ def test_world_sizes_agree_and_pass_their_check(tmp_path):
             s["name"] == within and s["ts"] <= a["ts"] and a["ts"] + a["dur"] <= s["ts"] + s["dur"] for s in spans)]
     steps, L = 5, 4  # per step: f̄ twice a block, in the embedding, 3 for the loss; f twice a block, at the head
     assert len(inside("Allreduce", "forward")) == steps * (2 * L + 1 + 3)
-    assert len(inside("Iallreduce", "backward")) == len(inside("Iallreduce", "weight grad")) == steps * (2 * L + 1)
+    assert len(inside("Iallreduce", "backward")) == steps * (2 * L + 1)
+    # the order an overlap needs, read from the trace: posted, the matmul, then the wait
+    events = [(e["name"], e["cat"], e["ts"], e["ts"] + e["dur"]) for e in spans]
+    assert tp.posted_before_weight_grad(events) == [steps * (2 * L + 1)] * 2
 
 
 @pytest.mark.e2e
