@@ -452,6 +452,14 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
+# What the reference shares with the ranks, and why each is harmless: LeNet and build_model (the
+# network: a bug there trains alike at every N and proves nothing about the exchange), make_batch
+# and learning_rate (the data and the schedule, functions of the step alone), torch's SGD and
+# F.cross_entropy, and the BatchNorm class, which without a communicator is nn.BatchNorm2d. What
+# the check proves is written here anew: which samples each rank and micro-step takes (index
+# arithmetic, not slice_of), the gradients' mean (one backward of the slices' summed losses, no
+# GradBuckets), --sync-bn's statistics (torch's BatchNorm on the joined batch, not
+# SyncBatchNormFunction) and the running statistics' mean over the ranks.
 def reference_training(args, world_sizes, device):
     """The same steps in one plain process: no MPI, plain nn.BatchNorm. world_sizes[step] is
     the world size that ran the step (a job may resume at another).
@@ -471,8 +479,10 @@ def reference_training(args, world_sizes, device):
             group["lr"] = learning_rate(args, step)
         images, labels = make_batch(args.seed, step, args.batch_size)
         images, labels = images.to(device), labels.to(device)
-        slices = [[slice_of(*slice_of(images, labels, r, world_size), k, k_steps)
-                   for r in range(world_size)] for k in range(k_steps)]
+        m = args.batch_size // (world_size * k_steps)  # samples per rank and micro-step
+        cut = [[slice((r * k_steps + k) * m, (r * k_steps + k + 1) * m) for r in range(world_size)]
+               for k in range(k_steps)]  # rank r's k-th micro-batch: the (r K + k)-th m samples
+        slices = [[(images[c], labels[c]) for c in per_rank] for per_rank in cut]
         optimizer.zero_grad()
         total = 0.0
         if args.sync_bn:

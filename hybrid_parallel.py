@@ -723,6 +723,12 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
+# What the reference shares with the ranks, and why each is harmless: GPT, Block, attend and
+# build_model (the network), make_batch, torch's SGD and F.cross_entropy. Its own: nn.Linear,
+# nn.Embedding and whole logits, one process, one backward: no f, g, parallel layer, schedule,
+# message or bucket. build_stage cuts the trained reference as each rank's stage was cut, so that
+# like is compared with like; the losses, from the uncut model and compared first, show a cut
+# that loses or repeats a part of the model.
 def reference_training(args, device):
     """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear
     and F.cross_entropy, no MPI."""

@@ -383,6 +383,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 CHECK_TAG = 3  # the stages' parameters sent to rank 0 for the check; the step's messages use 1 and 2
 
 
+# What the reference shares with the ranks, and why each is harmless: build_model and its classes
+# (the network), make_batch, torch's SGD and F.cross_entropy. Its own: the whole model on the whole
+# batch, no stage and no message. stage_of only cuts the trained reference to compare each rank's
+# stage with its part; the losses, from the uncut model, show a split that drops or repeats a layer.
 def reference_training(args):
     """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
     model = build_model(args)

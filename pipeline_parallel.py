@@ -740,6 +740,12 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments
+# What the reference shares with the ranks, and why each is harmless: build_model and its classes
+# (the network; its Linear is nn.Linear while `later` is unset, as it stays here, so the zero-bubble
+# split of the backward is the ranks' alone), make_batch, torch's SGD and F.cross_entropy. Its own:
+# the whole model on the whole batch in one backward, no stage, schedule, micro-batch or message.
+# stage_slice only names the parameters each rank sends back; the losses, from the uncut model,
+# show a split that drops or repeats a layer.
 def reference_training(args):
     """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
     model = build_model(args)

@@ -504,6 +504,12 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
+# What the reference shares with the ranks, and why each is harmless: build_model and its classes
+# (the network), make_batch, F.cross_entropy and torch's AdamW with the same hyperparameters.
+# AdamW acts element by element, which is what lets ZeRO step a partition alone; the reference
+# steps each parameter whole, so the flat vectors, their padding and partitions, the
+# reduce-scatters, the gathers and the division by N (FlatLayer, ZeRO) are the ranks' alone. The
+# comparison reads each parameter through the view the ranks trained, so it sees their values.
 def reference_training(args):
     """The same steps in one plain process on the CPU: the plain model, AdamW, the whole batch."""
     model = build_model(args)

@@ -510,6 +510,13 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
+# What the reference shares with the ranks, and why each is harmless: GPT, Block, attend and
+# build_model (the network; shard_model swaps its linears and token embedding for the parallel
+# layers, and Block.forward on a rank's 1/N of the heads must add up to all of them, which is
+# what is checked), make_batch, torch's SGD. Its own: nn.Linear, nn.Embedding, F.cross_entropy on
+# whole logits; never a parallel layer at size 1, f, f̄, g, ḡ or the vocabulary-parallel loss.
+# join_slices undoes the cut with its own code (cat of chunks), and the losses, compared first,
+# come from the uncut model: a wrong cut changes what the ranks train and shows there.
 def reference_training(args):
     """The same steps in one plain process on the CPU: the unsharded model, nn.Linear,
     F.cross_entropy. The CPU holds what no single device of a tensor-parallel job may."""

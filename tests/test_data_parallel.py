@@ -1,5 +1,6 @@
 """data_parallel.py: its pieces on sub-communicators of sizes 1 to 4, then the script as launched."""
 import json
+import time
 
 import pytest
 import torch
@@ -55,6 +56,29 @@ def test_bucketed_allreduce_equals_the_mean_of_every_rank_gradients(size, overla
         assert max_everywhere(diff) < 1e-6
         # A bucket closes once it holds >= 1200 bytes (as in DDP): [2, 50, 1000] and [7, 300].
         assert agree(comm is None or buckets_made == 2)
+
+
+@pytest.mark.mpi
+def test_a_full_bucket_is_posted_before_backward_computes_the_next_buckets_gradients():
+    """The docstring's overlap as an order, at N = 2 with --bucket-mb 0.05 (two buckets): the
+    first bucket's Iallreduce is posted before the first gradient of the second bucket is in,
+    so backward still has work to hide it behind (the last bucket closes with the last gradient
+    and has none)."""
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            args = dp.parse_args(["--steps", "1", "--batch-size", "8", "--bucket-mb", "0.05"], 2)
+            timeline = dp.Timeline(CPU)
+            model, optimizer, buckets = dp.replicate(args, dp.CountedComm(comm, timeline), CPU)
+            arrived = []  # when each of the second bucket's gradients was in, on the timeline's clock
+            for p in buckets.buckets[1]:
+                p.register_post_accumulate_grad_hook(lambda p: arrived.append(time.perf_counter() - timeline.origin_s))
+            images, labels = dp.slice_of(*dp.make_batch(args.seed, 0, 8), comm.Get_rank(), 2)
+            dp.train_step(model, optimizer, buckets, images, labels, 1, timeline)
+            timeline.step_record(0.0)
+            posted = sorted(end for name, _, _, end in timeline.step_events if name == "Iallreduce")
+            ok = len(buckets.buckets) == 2 == len(posted) and posted[0] < min(arrived) < posted[1]
+        assert agree(ok)
 
 
 @pytest.mark.mpi
