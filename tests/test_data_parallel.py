@@ -1,5 +1,7 @@
 """data_parallel.py: its pieces on sub-communicators of sizes 1 to 4, then the script as launched."""
 import json
+import math
+import re
 import time
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import data_parallel as dp
-from harness import SIZES, agree, clean_env, last_json, launch, max_everywhere, sub_comm
+from harness import ROOT, SIZES, agree, clean_env, last_json, launch, max_everywhere, sub_comm
 
 CPU = torch.device("cpu")
 
@@ -236,13 +238,38 @@ def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
 
 # --- end to end: the script as a user launches it -------------------------------------------
 
+def readme_sample():
+    """The command and the lines shown under the README's "What a run prints"."""
+    section = (ROOT / "README.md").read_text().split("## What a run prints")[1].split("\n## ")[0]
+    return re.search(r"`(mpirun [^`]*)`", section).group(1), section.split("```")[1].strip("\n").splitlines()
+
+
 @pytest.mark.e2e
-def test_default_run_learns_and_passes_its_check():
+def test_default_run_learns_passes_its_check_and_prints_the_readmes_sample():
+    """The set-up line's run, as the README shows it: the same lines in the same order, with the same
+    numbers where they do not depend on the machine (losses, accuracy, bytes, counts: float32 sums
+    may round the last digit otherwise on other cores), and the same words where they do (times,
+    memory, the check's rounding difference, the MPI's version; a note about shared cores)."""
     result = launch("data_parallel.py", 4)
     assert result.returncode == 0, result.stderr
     assert "-> PASS" in result.stdout
     accuracy = float(result.stdout.split("accuracy ")[1].split("%")[0])
     assert accuracy > 80  # chance is 10%
+    command, sample = readme_sample()
+    assert command == "mpirun -np 4 python data_parallel.py"
+    number = re.compile(r"\d[\d,]*(?:\.\d+)?(?:e[-+]\d+)?")
+
+    def fixed(line):  # the numbers of a line that do not depend on the machine
+        if any(word in line for word in ("Version", "median step", "peak memory", "max |diff|")):
+            return []
+        return [float(v.replace(",", "")) for v in number.findall(re.sub(r"[\d.]+ ?ms|idle \d+%", "", line))]
+    run, shown = ([line for line in lines if not line.startswith("note:")]
+                  for lines in (result.stdout.splitlines(), sample))
+    assert len(run) == len(shown), (run, shown)
+    for ran, readme in zip(run, shown):
+        assert number.sub("#", ran) == number.sub("#", readme), (ran, readme)
+        assert len(fixed(ran)) == len(fixed(readme)) and all(
+            math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-3) for a, b in zip(fixed(ran), fixed(readme))), (ran, readme)
 
 
 @pytest.mark.e2e
