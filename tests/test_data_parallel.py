@@ -215,6 +215,23 @@ def test_replicas_start_identical_and_the_exchange_is_counted(size):
         assert agree(ok)
 
 
+@pytest.mark.mpi
+def test_sync_bn_moves_the_docstrings_bytes():
+    """--sync-bn's exchange, counted at the MPI call, against the docstring: per BatchNorm layer of
+    C channels, 2C+1 float64 statistics forward and 2C float32 sums backward (LeNet: C = 6, 16, 120)."""
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            steps, args = 2, dp.parse_args(["--steps", "2", "--batch-size", "8", "--sync-bn"], 2)
+            timeline = dp.Timeline(CPU)
+            syncbn = dp.CountedComm(comm, timeline)
+            model, optimizer, buckets = dp.replicate(args, dp.CountedComm(comm, timeline), CPU, syncbn)
+            dp.train(args, comm, CPU, model, optimizer, buckets, timeline)
+            per_step = sum((2 * c + 1) * 8 + 2 * c * 4 for c in (6, 16, 120))
+            ok = syncbn.calls == {"Allreduce": steps * 2 * 3} and syncbn.bytes == {"Allreduce": steps * per_step}
+        assert agree(ok)
+
+
 def test_learning_rate_scaling_and_warmup():
     args = dp.parse_args(["--lr", "0.1", "--scale-lr", "--batch-size", "128", "--base-batch", "32",
                           "--warmup-steps", "4"], 1)
