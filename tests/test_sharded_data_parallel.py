@@ -1,6 +1,7 @@
 """sharded_data_parallel.py: ZeRO's pieces on sub-communicators of sizes 1 to 4, then the script
 as launched."""
 import shutil
+import time
 import weakref
 
 import pytest
@@ -142,6 +143,37 @@ def test_whole_gradients_live_from_their_first_gradient_to_their_reduce_scatter(
                 ok = ok and len(refs) == 5 * (step + 1) and not any(r() is not None for r in refs)
                 zero.step()
             ok = ok and (max(held) <= 2 if overlap else max(held) == 5)
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_layers_reduce_scatter_is_posted_before_backward_reaches_the_layer_below(stage):
+    """Stages 2 and 3's overlap as an order, at N = 2: each layer's reduce-scatter is posted
+    before the first gradient of the layer below it is computed, so backward still has that
+    layer to hide it behind (the first layer's has none); with --no-overlap no layer's is."""
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            args = zp.parse_args(TINY + ["--layers", "3"], 2)
+            x, y = zp.make_batch(args.seed, 0, args.batch_size // 2, args.seq_len)
+            for overlap in (True, False):
+                model = zp.build_model(args)
+                zero = sharded(model, comm, stage, args, overlap)
+                posted, first_gradient = {}, {}
+                arriving, reduce_scatter = zero._grad_arriving, zero.reduce_scatter
+
+                def arriving_timed(i):
+                    first_gradient.setdefault(i, time.perf_counter())
+                    arriving(i)
+
+                def reduce_scatter_timed(layer):
+                    reduce_scatter(layer)
+                    posted[zero.layers.index(layer)] = time.perf_counter()
+                zero._grad_arriving, zero.reduce_scatter = arriving_timed, reduce_scatter_timed
+                zero.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+                in_order = [posted[i] < first_gradient[i - 1] for i in range(1, len(zero.layers))]
+                ok = ok and len(posted) == len(zero.layers) == 5 and in_order == [overlap] * 4
         assert agree(ok)
 
 
