@@ -61,7 +61,7 @@ The text: this Python's own argparse.py, textwrap.py and shlex.py, bytes >= 128 
 Run:  mpirun -np 4 python tensor_parallel.py [--sequence-parallel [--regather]]    (--help: flags)
 """
 import argparse, collections, contextlib, ctypes, errno, functools, hashlib, importlib.util, io, json  # noqa: E401
-import math, os, shutil, signal, statistics, sys, time, traceback, types, zlib  # noqa: E401
+import math, os, re, shutil, signal, statistics, sys, time, traceback, types, zlib  # noqa: E401
 
 import torch
 import torch.nn as nn
@@ -683,8 +683,10 @@ def report(comm, args, run, model, full_params, losses, records, traffic, meter,
              f"replicated parameters (LayerNorms, positions, row-parallel biases): bitwise identical on all "
              f"{world_size} ranks"]
     if sample is not None:
-        lines += [f"sample ({args.sample_chars} characters after {PROMPT!r}, temperature {TEMPERATURE}):",
-                  *("  | " + line for line in sample.split("\n"))]
+        # a young model writes long runs of indentation: each run of 3+ spaces printed as its length
+        shown = re.sub(" {3,}", lambda run: f"[{len(run.group())} spaces]", sample)
+        lines += [f"sample ({args.sample_chars} characters after {PROMPT!r}, temperature {TEMPERATURE}; "
+                  f"[n spaces]: a run of n spaces):", *("  | " + line for line in shown.split("\n"))]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "collectives_formula": formula_calls, "comm_bytes_formula": formula_bytes, "collectives_by_name": calls,
