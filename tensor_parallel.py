@@ -37,7 +37,7 @@ row-parallel regions x is cut along the sequence, rank r holding positions [rT/N
   can guarantee; whether the bytes move during the matmul is the MPI's doing: MPICH without
   asynchronous progress (the pip wheel's default) moves them only inside MPI calls, so here
   mostly at the Wait; with MPIR_CVAR_ASYNC_PROGRESS=1, or a network that progresses on its own,
-  they travel while the matmul runs.
+  they can travel while the matmul runs.
 
 Communication per step (L blocks, B sequences of T characters, hidden h, float32, A = 4BTh bytes):
   plain: 4L + 5 collectives, the paper's two allreduces of A forward (f̄) and two backward (f) per
