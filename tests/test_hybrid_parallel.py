@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -262,6 +263,47 @@ def test_the_overlap_counts_fall_when_the_overlap_is_removed():
             assert promised["buckets_started_in_backward"][0] >= 8 and promised["sends_in_flight_during_compute"][0] == 6
             assert agree(overlap == {"buckets_started_in_backward": [0, sum(buckets)],
                                      "sends_in_flight_during_compute": [0, 8]}, comm), overlap
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("remove_overlap", [False, True])
+def test_a_full_bucket_is_posted_before_the_last_backward_computes_the_next_buckets_gradients(remove_overlap):
+    """The buckets' overlap as an order (the count above asks only for a start inside a backward's
+    span), at D = 2 with 2 KB buckets: in the step's last backward, each bucket's allreduce is
+    posted before the first gradient of the next bucket is in, so backward still has work to hide
+    it behind; with start_buckets_after_backward planted, none is."""
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            args = hp.parse_args(TINY + ["--dp", "2", "--steps", "1", "--bucket-mb", str(2 / 1024)], 2)
+            timeline = hp.Timeline(CPU)
+            counted = {axis: hp.CountedComm(c, timeline)
+                       for axis, c in zip(("pipeline", "data", "tensor"), hp.make_grid(comm, 1, 2, 1))}
+            stage = hp.build_stage(args, counted["pipeline"], counted["tensor"], CPU)
+            buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+            arrivals, posted, iallreduce = {}, [], counted["data"].Iallreduce
+            clock = lambda: time.perf_counter() - timeline.origin_s  # noqa: E731 (the timeline's)
+
+            def arrived(p):  # each gradient of each bucket, every micro-batch's
+                arrivals.setdefault(buckets.bucket_of[p], []).append(clock())
+
+            def timed(*args, **kwargs):
+                request = iallreduce(*args, **kwargs)
+                posted.append(clock())
+                return request
+            for p in buckets.bucket_of:
+                p.register_post_accumulate_grad_hook(arrived)
+            counted["data"].Iallreduce = timed
+            if remove_overlap:
+                start_buckets_after_backward(buckets)
+            hp.train(args, comm, counted, CPU, stage, torch.optim.SGD(stage.parameters(), lr=args.lr), buckets,
+                     hp.one_f_one_b(1, args.micro_batches, 0), timeline)
+            last = max(b for name, _, b, _ in timeline.step_events if name == f"B{args.micro_batches - 1}")
+            first = [min(t for t in arrivals[k] if t > last) for k in range(len(buckets.buckets))]
+            n = len(buckets.buckets)  # of the last backward: the first gradient of each bucket
+            in_order = [posted[k] < first[k + 1] for k in range(n - 1)]
+            ok = n >= 4 and [i for i, *_ in buckets.pending] == list(range(n)) and in_order == [not remove_overlap] * (n - 1)
+        assert agree(ok)
 
 
 # -----------------------------------------------------------------------------
