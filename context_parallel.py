@@ -773,11 +773,12 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
 
 def parse_args(argv, world_size):
     p = common_arguments("Context parallelism over MPI: ring attention on a small GPT, the sequence split.",
-                         steps=50, batch_size=16, lr=0.1, log_every=10)
+                         steps=40, batch_size=16, lr=0.1, log_every=10)
     p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
     p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
     p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=COUNT, default=240, help="characters per sequence (2N divides 240 for N <= 6)")
+    p.add_argument("--seq-len", type=COUNT, default=120,
+                   help="characters per sequence (2N divides 120 for N <= 6; longer runs: see the README)")
     p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag", help="which positions a rank holds")
     p.add_argument("--cp-comm", choices=tuple(VARIANTS), default="ring",
                    help="how attention sees the whole sequence: K and V round a ring, gathered, or heads by all-to-all")

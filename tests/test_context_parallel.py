@@ -251,7 +251,7 @@ def test_a_checkpoint_resumes_at_another_world_size_and_layout(tmp_path_factory,
 @pytest.mark.parametrize("argv, world_size, words", [
     (["--seq-len", "90"], 2, ["--seq-len 90", "4 equal chunks", "e.g. 88 or 92", "--layout contiguous"]),
     (["--seq-len", "90", "--layout", "contiguous"], 4, ["--seq-len 90", "4 equal chunks", "e.g. 88 or 92"]),
-    ([], 7, ["--seq-len 240", "14 equal chunks"]),
+    ([], 7, ["--seq-len 120", "14 equal chunks"]),
     (["--hidden", "50"], 1, ["--hidden 50", "4 heads"]),
     (["--cp-comm", "allgather", "--no-overlap"], 2, ["--no-overlap", "--cp-comm ring"]),
     (["--cp-comm", "alltoall", "--no-overlap"], 2, ["--no-overlap", "--cp-comm ring"]),
