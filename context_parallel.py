@@ -60,7 +60,7 @@ the bytes move meanwhile is the MPI's doing: one that progresses messages only i
 Each rank saw other tokens of the same sequences, so the parameters' gradients are summed; the
 loss is the sum of token losses over the global number of tokens, b x T.
 Memory: the activations saved for backward are those of T/N positions: 1/N of one process's. The
-attention weights are never saved (backward recomputes them). Scores live at once, b sequences x:
+attention weights are never saved (backward recomputes them). Scores alive at once, per sequence:
 ring (T/N)^2 x heads (one block), all-gather T/N x T x heads, all-to-all T x T x heads/N.
 
 When to choose it: the sequence is so long that one device cannot hold its activations, even with
@@ -227,7 +227,7 @@ class RingAttention(torch.autograd.Function):
             plan = cp.plans[(rank - i) % size]  # the block in hand is rank r-i's
             if plan is not None:
                 with cp.timeline.span("compute", "attention block"):
-                    cp.count(plan, q)
+                    cp.count(plan, q)  # not the strategy: the work done, for the report and the tests
                     block_out, block_lse = block_attention(q, kv[0], kv[1], plan)
                     if out is None:  # step 0, the own block: every query sees itself
                         out, lse = block_out, block_lse
@@ -674,9 +674,10 @@ class SavedBytes:
         self.bytes = sum(self.storages.values())
 
 def kv_messages_under_compute(events):
-    """[n, total] of the ring's messages (Isend, Irecv) in `events`: a message counts when it was in
-    flight while an attention block computed, posted before the block ended and waited for after
-    it began. Requests are waited in the order they were posted: the k-th 'Isend wait' is the k-th Isend's."""
+    """[n, total] of the ring's messages (Isend, Irecv) in `events`: a message counts when it was
+    posted before an attention block ended and waited for after it began (whether its bytes moved
+    meanwhile is the MPI's doing). Requests are waited in the order they were posted: the k-th
+    'Isend wait' is the k-th Isend's."""
     blocks = [(begin, end) for name, _, begin, end in events if name == "attention block"]
     n = total = 0
     for kind in ("Isend", "Irecv"):

@@ -167,8 +167,8 @@ def test_training_equals_one_process_at_every_size_with_counts_beside_their_form
 @pytest.mark.parametrize("size", [2, 4])
 def test_kv_messages_are_in_flight_while_blocks_compute_and_not_without_overlap(size):
     """From the timeline of the last step: with overlap, every ring message but the dK/dV's last
-    hop home (2 per layer) is in flight during an attention block, L(6N-6) of L(6N-4) per rank; with
-    --no-overlap, each exchange is waited for before its block: none."""
+    hop home (2 per layer) is posted before an attention block ends and waited for after it begins,
+    L(6N-6) of L(6N-4) per rank; with --no-overlap, each exchange is waited for before its block: none."""
     with sub_comm(size) as comm:
         counts = {}
         if comm is not None:
