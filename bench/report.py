@@ -339,7 +339,7 @@ def slowest_share(pairs):
 
 
 def context_parallel(meta, runs, cores):
-    lines = ["## Context parallelism: ring against all-gather, zigzag against contiguous", ""]
+    lines = ["## Context parallelism: ring, all-gather and all-to-all; zigzag against contiguous", ""]
     jobs = jobs_measured(runs, "cp")
     if not jobs:
         return lines + ["Not measured (see above).", ""]
@@ -350,13 +350,15 @@ def context_parallel(meta, runs, cores):
               f"characters, each sequence's positions split over the N ranks ({plural(first['steps'], 'step')} "
               f"per run, {plural(first['rounds'], 'round')}). *× ring zigzag*: the step time over that of "
               "the default (`--cp-comm ring --layout zigzag`), paired by round. *Causal pairs per rank*: "
-              "the query-key pairs a rank's attention computes for one layer, sequence and head "
-              "(`causal_pairs_per_rank`), and the busiest rank's share of them (even: 1/N). "
-              "*Bytes/step*: handed to MPI per step and rank, with the script's formula "
+              "the query-key pairs a rank's attention computes for one layer and sequence, summed over the "
+              "heads it attends for (`causal_pairs_per_rank`), and the busiest rank's share of them (even: "
+              "1/N). *Bytes/step*: handed to MPI per step and rank, with the script's formula "
               "(`comm_bytes_formula`); *messages + collectives*: the ring's Isends and the collectives "
-              "per step. *Loss Δ*: against the default's loss curve (the same training).", ""]
+              "per step. *Peak MB*: the largest over ranks of the peak each rank measured while training "
+              "(`peak_memory_bytes_per_rank`: on the CPU the resident set, less the process before the "
+              "model). *Loss Δ*: against the default's loss curve (the same training).", ""]
     head = ["N", "run", "step ms (range)", "× ring zigzag (range)", "causal pairs per rank: busiest's share",
-            "bytes/step (formula)", "messages + collectives/step", "loss Δ", "check"]
+            "bytes/step (formula)", "messages + collectives/step", "peak MB", "loss Δ", "check"]
     rows = []
     for n, j in jobs:
         where = ranks_label(n, cores)
@@ -373,6 +375,7 @@ def context_parallel(meta, runs, cores):
                          f"{r['comm_bytes_per_step']:,.0f} ({r['comm_bytes_formula']:,.0f})"
                          if mine and "comm_bytes_formula" in r else "–",
                          f"{r.get('messages_per_step', 0):g} + {r['collectives_per_step']:g}" if mine else "–",
+                         mb(max(r["peak_memory_bytes_per_rank"])) if r.get("peak_memory_bytes_per_rank") else "–",
                          sci(loss_diff(c, base)) if c is not base else "–", check_cell(c) if mine else "–"])
     return lines + table(head, rows) + load_line([j for _, j in jobs])
 
@@ -838,14 +841,17 @@ def sequence_parallel_findings(j, faster, where):
 
 
 def context_findings(j, faster, where):
-    """Ring against all-gather and zigzag against contiguous: step, the busiest rank's causal work, bytes."""
+    """Ring against all-gather and all-to-all, zigzag against contiguous: step, the busiest rank's
+    causal work, bytes and peak memory."""
     base = case(j, kind="strategy", cp_comm="ring", layout="zigzag")
     if not ok(base):
         return []
     out = []
     gathered = case(j, kind="strategy", cp_comm="allgather")
+    heads = case(j, kind="strategy", cp_comm="alltoall")
     contiguous = case(j, kind="strategy", layout="contiguous")
     faster("--cp-comm allgather", gathered, "the ring", base, where)
+    faster("--cp-comm alltoall", heads, "the ring", base, where)
     faster("--layout contiguous", contiguous, "zigzag", base, where)
     if ok(contiguous) and contiguous["result"].get("causal_pairs_per_rank"):
         n = len(contiguous["result"]["causal_pairs_per_rank"])
@@ -857,12 +863,19 @@ def context_findings(j, faster, where):
             and "comm_bytes_formula" in c["result"]]
     off = [c["label"] for c in mine if c["result"]["comm_bytes_per_step"] != c["result"]["comm_bytes_formula"]]
     sizes = {c["tags"]["cp_comm"]: c["result"]["comm_bytes_per_step"] for c in mine}
-    if len(sizes) == 2:
-        ring, gather = sizes["ring"], sizes["allgather"]
-        out.append(f"{where}: the ring hands MPI {ring:,.0f} bytes per step and rank, --cp-comm allgather "
-                   + ("the same" if ring == gather else f"{gather:,.0f} ({gather / ring:.2f}×)")
+    if "ring" in sizes and len(sizes) > 1:
+        ring = sizes["ring"]
+        out.append(f"{where}: the ring hands MPI {ring:,.0f} bytes per step and rank, "
+                   + ", ".join(f"--cp-comm {k} " + ("the same" if v == ring else f"{v:,.0f} ({v / ring:.2f}×)")
+                               for k, v in sizes.items() if k != "ring")
                    + ("; every run's bytes equal its formula." if not off else
                       "; not the formula in " + ", ".join(off) + "."))
+    peaks = {c["tags"]["cp_comm"]: max(c["result"]["peak_memory_bytes_per_rank"]) for c in mine
+             if c["tags"].get("layout") == "zigzag" and c["tags"].get("overlap") is None
+             and c["result"].get("peak_memory_bytes_per_rank")}
+    if len(peaks) > 1:
+        out.append(f"{where}: peak memory of the busiest rank, " + ", ".join(f"{k} {mb(v)} MB" for k, v in peaks.items())
+                   + ".")
     return out
 
 

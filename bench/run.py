@@ -77,7 +77,7 @@ def plan(mode):
         # pp: five schedules at M = N, 2N, 4N, model_parallel.py and five torch schedules: 21 cases a
         # round, on 8 blocks
         # tp: plain and sequence-parallel, each beside torch's; zero: stages 2 and 3 also with
-        # --no-overlap; cp: 4 runs a round (ring, all-gather, contiguous, ring with --no-overlap)
+        # --no-overlap; cp: 5 runs a round (ring, all-gather, all-to-all, contiguous, ring with --no-overlap)
         jobs += [Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 55 + more, 240),
                  Job(("pp",), n, ["--rounds", "6", "--steps", "5"], {}, 160 + 6 * more, 360),
                  Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 45 + 3 * more, 240),

@@ -645,8 +645,11 @@ def hybrid_cases(ctx):
 
 
 # -----------------------------------------------------------------------------
-# Context parallelism: ring against all-gather, zigzag against contiguous; torch's context_parallel
+# Context parallelism: ring, all-gather and all-to-all; zigzag against contiguous; torch's context_parallel
 # -----------------------------------------------------------------------------
+CP_NETWORK = ("--seq-len", 240)  # twice the script's default sequence, the same in every case and N
+
+
 def torch_context_parallel(ctx):
     """context_parallel.py's network and batch under torch.distributed.tensor.experimental's
     context_parallel on gloo: the whole model on every rank, its attention torch's causal
@@ -660,7 +663,7 @@ def torch_context_parallel(ctx):
     comm, device, n = ctx.comm, ctx.device, ctx.comm.Get_size()
     if device.type == "cuda":
         raise CannotRun("the context-parallel peer is measured on the CPU only (gloo)")
-    a = defaults("context_parallel", n)
+    a = defaults("context_parallel", n, *CP_NETWORK)
     model = cpm.build_model(a, device)
     model.attention = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mesh = init_device_mesh(device.type, (n,))
@@ -704,16 +707,19 @@ def context_cases(ctx):
     cp = "context_parallel"
     return [Case(f"{cp}.py --cp-comm ring --layout zigzag", {"kind": "strategy", "strategy": cp,
                                                               "cp_comm": "ring", "layout": "zigzag"},
-                 strategy(cp)),
+                 strategy(cp, *CP_NETWORK)),
             Case(f"{cp}.py --cp-comm allgather --layout zigzag",
                  {"kind": "strategy", "strategy": cp, "cp_comm": "allgather", "layout": "zigzag"},
-                 strategy(cp, "--cp-comm", "allgather")),
+                 strategy(cp, *CP_NETWORK, "--cp-comm", "allgather")),
+            Case(f"{cp}.py --cp-comm alltoall --layout zigzag",  # the script refuses N that do not divide the heads
+                 {"kind": "strategy", "strategy": cp, "cp_comm": "alltoall", "layout": "zigzag"},
+                 strategy(cp, *CP_NETWORK, "--cp-comm", "alltoall")),
             Case(f"{cp}.py --cp-comm ring --layout contiguous",
                  {"kind": "strategy", "strategy": cp, "cp_comm": "ring", "layout": "contiguous"},
-                 strategy(cp, "--layout", "contiguous")),
+                 strategy(cp, *CP_NETWORK, "--layout", "contiguous")),
             Case(f"{cp}.py --cp-comm ring --layout zigzag --no-overlap",
                  {"kind": "strategy", "strategy": cp, "cp_comm": "ring", "layout": "zigzag", "overlap": False},
-                 strategy(cp, "--no-overlap")),
+                 strategy(cp, *CP_NETWORK, "--no-overlap")),
             Case("torch.distributed.tensor.experimental.context_parallel (gloo)", {"kind": "peer", "gloo": True},
                  torch_context_parallel)]
 
@@ -830,7 +836,7 @@ def config(group, world_size):
             a = importlib.import_module(CONFIG_OF[group]).parse_args([str(f) for f in hybrid_grid(2, 2, 2)],
                                                                      world_size)
         else:
-            a = defaults(CONFIG_OF[group], world_size, *(PP_NETWORK if group == "pp" else ()))
+            a = defaults(CONFIG_OF[group], world_size, *{"pp": PP_NETWORK, "cp": CP_NETWORK}.get(group, ()))
     except Exception:  # noqa: BLE001 (a group with no network of its own, a grid this size cannot hold)
         return None
     return {k: getattr(a, k) for k in ("batch_size", "layers", "hidden", "heads", "seq_len", "lr", "seed",

@@ -212,12 +212,13 @@ def test_the_tensor_table_pairs_sequence_parallelism_with_torchs_and_sets_activa
 
 def cp_job():
     """A context-parallel job at N = 4: the ring (zigzag, also with --no-overlap), the all-gather, the
-    contiguous layout, and torch's peer unable to run."""
-    def ours(label, tags, seconds, comm, pairs, sent, messages, collectives, **more):
+    all-to-all, the contiguous layout, and torch's peer unable to run."""
+    def ours(label, tags, seconds, comm, pairs, sent, messages, collectives, peak=30e6, **more):
         return case(f"context_parallel.py {label}", {"kind": "strategy", "strategy": "context_parallel", **tags},
                     seconds, comm_s=comm[1], comm_s_rounds=comm, causal_pairs_per_rank=pairs,
                     comm_bytes_per_step=sent, comm_bytes_formula=sent, messages_per_step=messages,
-                    collectives_per_step=collectives, losses=[4.8, 4.5], **more)
+                    collectives_per_step=collectives, losses=[4.8, 4.5], peak_memory_bytes_per_rank=[peak - 1e6, peak],
+                    **more)
     ring, zigzag = {"cp_comm": "ring", "layout": "zigzag"}, [7230] * 4
     return {"group": "cp", "ranks": 4, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
         "steps": 4, "rounds": 3, "mpi_library": "MPICH Version: 5.0.2",
@@ -225,7 +226,9 @@ def cp_job():
             ours("--cp-comm ring --layout zigzag", ring, [0.30] * 3, [0.012] * 3, zigzag, 20_000_000, 40, 2,
                  overlap={"kv_messages_under_compute": [120, 160]}),
             ours("--cp-comm allgather --layout zigzag", {"cp_comm": "allgather", "layout": "zigzag"},
-                 [0.36, 0.33, 0.33], [0.02] * 3, zigzag, 14_000_000, 0, 14),
+                 [0.36, 0.33, 0.33], [0.02] * 3, zigzag, 14_000_000, 0, 14, peak=32e6),
+            ours("--cp-comm alltoall --layout zigzag", {"cp_comm": "alltoall", "layout": "zigzag"},
+                 [0.27, 0.24, 0.27], [0.02] * 3, [7230] * 4, 6_000_000, 0, 18, peak=31e6),
             ours("--cp-comm ring --layout contiguous", {"cp_comm": "ring", "layout": "contiguous"}, [0.39] * 3,
                  [0.012] * 3, [1830, 5430, 9030, 12630], 20_000_000, 40, 2),
             ours("--cp-comm ring --layout zigzag --no-overlap", {**ring, "overlap": False}, [0.30, 0.31, 0.32],
@@ -239,16 +242,19 @@ def test_the_context_table_gives_each_variant_against_the_ring_and_the_busiest_r
     section = text.split("## Context parallelism")[1].split("## ")[0]
     # contiguous at N = 4: the last rank's 12,630 of the 28,920 pairs, 44%, against 25% for an even split
     assert ("| 4 † | context_parallel.py --cp-comm ring --layout contiguous | 390.0 (390.0–390.0) | 1.30× (1.30–1.30) "
-            "| 1,830 / 5,430 / 9,030 / 12,630: 44% (even 25%) | 20,000,000 (20,000,000) | 40 + 2 | 0.0e+00 | – |") \
-        in section
+            "| 1,830 / 5,430 / 9,030 / 12,630: 44% (even 25%) | 20,000,000 (20,000,000) | 40 + 2 | 30.00 | 0.0e+00 "
+            "| – |") in section
     assert "| 0 + 14 |" in section
     assert "not measured: does not run on CPU processes: NotImplementedError: no sharding strategy" in section
     assert ("the ring is faster than --cp-comm allgather: --cp-comm allgather takes 1.10× its step time (median "
             "of 3 rounds, 1.10 to 1.20)") in text
     assert "with --layout contiguous the busiest rank computes 44% of the causal pairs, with zigzag 25% (even: 25%)" \
         in text
-    assert ("the ring hands MPI 20,000,000 bytes per step and rank, --cp-comm allgather 14,000,000 (0.70×); every "
-            "run's bytes equal its formula") in text
+    # the all-to-all's rounds: 0.27/0.30, 0.24/0.30, 0.27/0.30 = 0.9, 0.8, 0.9: median 0.90
+    assert "--cp-comm alltoall is faster than the ring: 0.90× its step time (median of 3 rounds, 0.80 to 0.90)" in text
+    assert ("the ring hands MPI 20,000,000 bytes per step and rank, --cp-comm allgather 14,000,000 (0.70×), "
+            "--cp-comm alltoall 6,000,000 (0.30×); every run's bytes equal its formula") in text
+    assert "peak memory of the busiest rank, ring 30.00 MB, allgather 32.00 MB, alltoall 31.00 MB." in text
 
 
 def ep_job():

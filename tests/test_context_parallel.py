@@ -1,5 +1,5 @@
 """context_parallel.py: the attention alone and whole training on sub-communicators of sizes 1 to 4,
-in both layouts and both variants, the counts beside their formulas, then the script as launched."""
+in both layouts and the three variants, the counts beside their formulas, then the script as launched."""
 import json
 import math
 
@@ -10,15 +10,17 @@ import context_parallel as cp
 from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
 
 CPU = torch.device("cpu")
-VARIANTS = [("ring", True), ("ring", False), ("allgather", True)]  # (--cp-comm, overlap)
+VARIANTS = [("ring", True), ("ring", False), ("allgather", True), ("alltoall", True)]  # (--cp-comm, overlap)
+HEADS = 4  # the all-to-all splits them: it runs where N divides them (1, 2, 4; not 3)
 LAYOUTS = ["zigzag", "contiguous"]
 # The attention alone against float64 autograd on the whole sequence, each of out, lse, dQ, dK, dV
 # relative to its largest entry (scores up to 17, dK up to 10): float32 autograd itself is off by
 # up to 3.5e-7 of that, ours measured at most 1.8e-6 (dK: the weights recomputed from the final
 # lse, exp(s - lse), carry lse's rounding). The bound is 5 times ours.
 ATTENTION_TOLERANCE = 1e-5
-# 24 positions: 2N divides them for every N in SIZES. Two heads, so that heads are kept apart.
-SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "24", "--batch-size", "3"]
+# 24 positions: 2N divides them for every N in SIZES. Four heads, so that heads are kept apart and
+# the all-to-all runs at N = 1, 2 and 4.
+SMALL = ["--layers", "2", "--hidden", "16", "--heads", str(HEADS), "--seq-len", "24", "--batch-size", "3"]
 
 
 def plain_attention(q, k, v):
@@ -44,12 +46,15 @@ def relative(a, b):
 @pytest.mark.parametrize("cp_comm, overlap", VARIANTS)
 def test_attention_alone_equals_autograd_on_the_whole_sequence(size, layout, cp_comm, overlap):
     """out, lse, dQ, dK and dV of this rank's positions against one process's in float64, with
-    large scores (q scaled); the causal pairs of the ranks add up to T(T+1)/2."""
+    large scores (q scaled); the causal pairs of the ranks add up to H x T(T+1)/2. The all-to-all's
+    lse is that of its heads over every position, in the order of positions.flatten()."""
+    if cp_comm == "alltoall" and HEADS % size:
+        pytest.skip(f"the all-to-all needs N to divide the {HEADS} heads")
     with sub_comm(size) as comm:
         diff, ok = 0.0, True
         if comm is not None:
             t, g = 24, torch.Generator().manual_seed(size)
-            q, k, v, upstream = (torch.randn(2, 2, t, 8, generator=g) for _ in range(4))
+            q, k, v, upstream = (torch.randn(2, HEADS, t, 8, generator=g) for _ in range(4))
             q = 4 * q
             full = [z.double().requires_grad_() for z in (q, k, v)]
             out_full, lse_full = plain_attention(*full)
@@ -62,14 +67,18 @@ def test_attention_alone_equals_autograd_on_the_whole_sequence(size, layout, cp_
             local = [z[:, :, mine].clone().requires_grad_() for z in (q, k, v)]
             out, lse = attention.function.apply(*local, attention)
             (out * upstream[:, :, mine]).sum().backward()
-            diff = max(relative(out, out_full[:, :, mine]), relative(lse, lse_full[:, :, mine]),
-                       *(relative(z.grad, f.grad[:, :, mine]) for z, f in zip(local, full)))
+            heads = slice(None)
+            if cp_comm == "alltoall":
+                mine, group = positions.flatten(), HEADS // size  # lse: its heads, every position
+                heads = slice(comm.Get_rank() * group, (comm.Get_rank() + 1) * group)
+            diff = max(relative(out, out_full[:, :, positions[comm.Get_rank()]]),
+                       relative(lse, lse_full[:, heads][:, :, mine]),
+                       *(relative(z.grad, f.grad[:, :, positions[comm.Get_rank()]]) for z, f in zip(local, full)))
             pairs = comm.allreduce(attention.tally["pairs"])
-            ok &= pairs == t * (t + 1) // 2  # every causal pair computed once, none skipped
-            if cp_comm == "ring":  # K/V N-1 times forward and backward, dK/dV N hops home
-                ok &= counted.calls == {"Isend": 3 * size - 2, "Irecv": 3 * size - 2}
-            else:
-                ok &= counted.calls == {"Allgather": 2, "Reduce_scatter_block": 1}
+            ok &= pairs == HEADS * t * (t + 1) // 2  # every causal pair of every head computed once
+            ok &= counted.calls == {"ring": {"Isend": 3 * size - 2, "Irecv": 3 * size - 2},  # K/V N-1 times
+                                    "allgather": {"Allgather": 2, "Reduce_scatter_block": 1},  # each way, dK/dV
+                                    "alltoall": {"Alltoall": 4}}[cp_comm]  # N hops home
         assert max_everywhere(diff) < ATTENTION_TOLERANCE
         assert agree(ok)
 
@@ -93,6 +102,14 @@ def test_merging_is_stable_where_exp_would_overflow():
     assert torch.equal(lse, torch.tensor([[[1e4, 1e4]]]))
 
 
+def test_attention_block_by_block_merged_equals_one_softmax_without_mpi(capsys):
+    """The lesson's demonstration (no MPI): blocks of keys one at a time, merged, against one
+    softmax over the whole sequence, in float64; it prints its result."""
+    for blocks, t in ((4, 12), (3, 12), (5, 20)):
+        assert cp.blockwise_softmax_demo(blocks, t) < 1e-12
+    assert "largest difference" in capsys.readouterr().out
+
+
 def train(comm, argv, steps=3):
     """Train SMALL for `steps` on comm; the model, its counted communicator, the meter, the losses."""
     args = cp.parse_args(SMALL + ["--steps", str(steps), *argv], comm.Get_size())
@@ -106,13 +123,14 @@ def train(comm, argv, steps=3):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("cp_comm", ["ring", "allgather"])
+@pytest.mark.parametrize("cp_comm", ["ring", "allgather", "alltoall"])
 def test_training_equals_one_process_at_every_size_with_counts_beside_their_formulas(layout, cp_comm):
-    """N = 1 to 4: losses and parameters within TOLERANCE of one process (hence the same at every N);
-    bytes handed to MPI per step = the formula; causal pairs per rank = the formula (zigzag: equal
-    on every rank; contiguous: not); saved activations 1/N of one process's, up to 4 bytes."""
+    """N = 1 to 4 (the all-to-all: 1, 2, 4): losses and parameters within TOLERANCE of one process
+    (hence the same at every N); bytes handed to MPI per step = the formula; causal pairs and scores
+    computed per rank = their formulas; the ring's scores in zigzag equal on every rank, in
+    contiguous unequal; saved activations 1/N of one process's, up to 4N bytes."""
     failures = []
-    for size in SIZES:
+    for size in [n for n in SIZES if cp_comm != "alltoall" or HEADS % n == 0]:
         with sub_comm(size) as comm:
             diff = 0.0
             if comm is not None:
@@ -120,13 +138,20 @@ def test_training_equals_one_process_at_every_size_with_counts_beside_their_form
                 diff, plain, one = cp.check(comm, args, losses, model)
                 params = sum(p.numel() for p in model.parameters())
                 sent = sum(b for name, b in counted.bytes.items() if name != "Irecv") / args.steps
-                total, _, pairs = cp.formulas(args, size, params)
-                counted_pairs = comm.allgather(model.attention.tally["pairs"] // model.attention.tally["calls"])
+                total, _, pairs, scores = cp.formulas(args, size, params)
+                tally = model.attention.tally
+                counted_pairs = comm.allgather(tally["pairs"] // tally["calls"])
+                counted_scores = comm.allgather(tally["scores"] // tally["calls"])
                 saved = meter.bytes
                 if sent != total:
                     failures.append((size, "bytes", sent, total))
-                if counted_pairs != pairs or len(set(pairs)) != (1 if layout == "zigzag" else size):
+                if counted_pairs != pairs or len(set(pairs)) != (1 if layout == "zigzag" or cp_comm == "alltoall"
+                                                                 else size):
                     failures.append((size, "pairs", counted_pairs, pairs))
+                if counted_scores != scores:
+                    failures.append((size, "scores", counted_scores, scores))
+                if cp_comm == "ring" and len(set(counted_scores)) != (1 if layout == "zigzag" else size):
+                    failures.append((size, "zigzag's equal work", counted_scores))
                 # The loss's total weight (a 4-byte scalar) is the one saved tensor that does not
                 # shrink with the positions: measured N x saved - one = 4(N-1) at every N.
                 if abs(saved * size - one) > 4 * size:
@@ -142,8 +167,8 @@ def test_training_equals_one_process_at_every_size_with_counts_beside_their_form
 @pytest.mark.parametrize("size", [2, 4])
 def test_kv_messages_are_in_flight_while_blocks_compute_and_not_without_overlap(size):
     """From the timeline of the last step: with overlap, every ring message but the dK/dV's last
-    hop home (2 per layer) is in flight during an attention block, L(6N-6) of L(6N-4) per rank; with
-    --no-overlap, each exchange is waited for before its block: none."""
+    hop home (2 per layer) is posted before an attention block ends and waited for after it begins,
+    L(6N-6) of L(6N-4) per rank; with --no-overlap, each exchange is waited for before its block: none."""
     with sub_comm(size) as comm:
         counts = {}
         if comm is not None:
@@ -179,6 +204,31 @@ def test_check_reports_a_nudged_parameter_or_loss_and_nan():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("cp_comm", ["ring", "allgather", "alltoall"])
+def test_staged_through_host_memory_no_receive_buffer_is_copied_in(cp_comm, monkeypatch):
+    """As on a GPU whose MPI cannot read GPU memory (the CPU stand-in of tests/inject.py's
+    STAGE_ALL): every send is a host copy, every receive a fresh empty buffer. The run still
+    equals one process (each copy back ran), and the bytes copied into send buffers are exactly
+    those handed to MPI to send, but the loss's 8 (a host tensor): a receive buffer copied in
+    from the device would add its bytes."""
+    copied = []
+
+    def host_copy(t, *args, **kwargs):
+        copied.append(t.numel() * t.element_size())
+        return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    monkeypatch.setattr(cp, "mpi_buffer", host_copy)
+    monkeypatch.setattr(cp, "receive_buffer", lambda t: torch.empty(t.shape, dtype=t.dtype))
+    with sub_comm(2) as comm:
+        result = None
+        if comm is not None:
+            args, model, counted, _, losses = train(comm, ["--cp-comm", cp_comm], steps=2)
+            sent = sum(b for name, b in counted.bytes.items() if name != "Irecv")
+            result = (sum(copied), sent - 8 * args.steps)  # before the check, whose reference stages too
+            result = (cp.check(comm, args, losses, model)[0], *result)
+        assert agree(result is None or (result[0] <= cp.TOLERANCE and result[1] == result[2])), result
+
+
+@pytest.mark.mpi
 def test_a_checkpoint_resumes_at_another_world_size_and_layout(tmp_path_factory, capsys):
     """Every rank holds the whole model and rank 0 saves it: 2 steps on 2 ranks (zigzag), then 2
     more on 3 ranks (contiguous) from the checkpoint, whose check against 4 steps of one process passes."""
@@ -201,9 +251,12 @@ def test_a_checkpoint_resumes_at_another_world_size_and_layout(tmp_path_factory,
 @pytest.mark.parametrize("argv, world_size, words", [
     (["--seq-len", "90"], 2, ["--seq-len 90", "4 equal chunks", "e.g. 88 or 92", "--layout contiguous"]),
     (["--seq-len", "90", "--layout", "contiguous"], 4, ["--seq-len 90", "4 equal chunks", "e.g. 88 or 92"]),
-    ([], 7, ["--seq-len 240", "14 equal chunks"]),
+    ([], 7, ["--seq-len 120", "14 equal chunks"]),
     (["--hidden", "50"], 1, ["--hidden 50", "4 heads"]),
     (["--cp-comm", "allgather", "--no-overlap"], 2, ["--no-overlap", "--cp-comm ring"]),
+    (["--cp-comm", "alltoall", "--no-overlap"], 2, ["--no-overlap", "--cp-comm ring"]),
+    (["--cp-comm", "alltoall"], 3, ["--cp-comm alltoall", "4 heads", "3 ranks", "--cp-comm ring"]),
+    (["--cp-comm", "alltoall", "--heads", "2", "--hidden", "32"], 4, ["2 heads", "4 ranks", "--cp-comm ring"]),
     (["--layout", "diagonal"], 1, ["--layout", "zigzag", "contiguous"]),
     (["--seq-len", "10000000"], 1, ["--seq-len"]),
     (["--steps", "0"], 1, ["--steps"]),
@@ -227,6 +280,8 @@ def test_launched_ring_passes_its_check_with_counts_beside_formulas_and_a_trace(
     assert (run["cp_layout"], run["cp_comm"]) == ("zigzag", "ring")
     assert run["comm_bytes_per_step"] == run["comm_bytes_formula"]
     assert run["causal_pairs_per_rank"] == run["causal_pairs_formula"] and len(set(run["causal_pairs_per_rank"])) == 1
+    assert run["scores_computed_per_rank"] == run["scores_computed_formula"]
+    assert len(set(run["scores_computed_per_rank"])) == 1  # zigzag: the same blocks computed on every rank
     assert run["overlap"] == {"kv_messages_under_compute": [4 * 2 * 18, 4 * 2 * 20]}
     assert all(abs(b * 4 - run["activation_bytes_one_process"]) <= 16 for b in run["activation_bytes_per_rank"])
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
@@ -243,7 +298,8 @@ def test_launched_contiguous_without_overlap_with_every_buffer_staged():
     run = last_json(launch("context_parallel.py", 3, *E2E, "--layout", "contiguous", "--no-overlap",
                            env=clean_env(STAGE_ALL=1)))
     assert run["check_max_abs_diff"] <= cp.TOLERANCE and run["comm_bytes_per_step"] == run["comm_bytes_formula"]
-    assert run["causal_pairs_per_rank"] == run["causal_pairs_formula"] == [136, 392, 648]
+    assert run["causal_pairs_per_rank"] == run["causal_pairs_formula"] == [272, 784, 1296]  # 2 heads
+    assert run["scores_computed_per_rank"] == run["scores_computed_formula"] == [512, 1024, 1536]
     assert run["overlap"] == {"kv_messages_under_compute": [0, 3 * 2 * 14]}
 
 
