@@ -1,6 +1,6 @@
 """Benchmark every strategy against its peers and the machine's limit; print and save the table.
 
-    python bench/run.py              # the full table, under 20 minutes on 2 CPU cores
+    python bench/run.py              # the full table, under 24 minutes on 2 CPU cores
     python bench/run.py --quick      # a smoke test in about two minutes (2 ranks, one round)
     python bench/run.py --gpu        # every strategy on --device cuda with --check, one GPU
 
@@ -32,7 +32,7 @@ from harness import clean_env  # noqa: E402  (the tests' rule for a clean MPI en
 import report  # noqa: E402
 import plots  # noqa: E402  (imports matplotlib only when it draws)
 
-BUDGET = {"full": 1150, "quick": 180, "gpu": 420}  # seconds, the traced run included: no job runs past them
+BUDGET = {"full": 1400, "quick": 200, "gpu": 420}  # seconds, the traced run included: no job runs past them
 MODE_ENV = {}  # for every job of a mode (the GPU jobs set their transport one by one)
 KEEP_GPUS = []  # set by --gpu: the jobs see this machine's GPUs (the tests' environment hides them)
 MIN_JOB_SECONDS = 20
@@ -40,7 +40,8 @@ STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_pa
               "sharded_data_parallel", "hybrid_parallel", "context_parallel", "expert_parallel")
 GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_parallel"),
                "tp": ("tensor_parallel",), "zero": ("sharded_data_parallel",), "hybrid": ("hybrid_parallel",),
-               "cp": ("context_parallel",), "ep": ("expert_parallel",), "scaling": STRATEGIES[:4]}
+               "cp": ("context_parallel",), "ep": ("expert_parallel",), "scaling": STRATEGIES[:4],
+               "transport": STRATEGIES, "large": ("tensor_parallel", "pipeline_parallel", "sharded_data_parallel")}
 
 
 Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
@@ -58,7 +59,7 @@ def plan(mode):
     job is killed past it."""
     if mode == "quick":
         flags = ["--rounds", "1", "--steps", "5", "--collective-reps", "20", "--micro-batches", "2,8"]
-        return [Job(("dp", "pp", "tp", "zero", "cp", "ep", "scaling"), 2, flags, {}, 60, 160)]
+        return [Job(("dp", "pp", "tp", "zero", "cp", "ep", "scaling", "transport"), 2, flags, {}, 60, 180)]
     if mode == "gpu":  # peers apart, so that one failing cannot take a strategy's rows with it
         # Every strategy with --check at 2 and 4 ranks (ranks may share a GPU), in both transports:
         # staged through host memory, and as the library decides (direct where it is CUDA-aware).
@@ -78,12 +79,16 @@ def plan(mode):
         # round, on 8 blocks
         # tp: plain and sequence-parallel, each beside torch's; zero: stages 2 and 3 also with
         # --no-overlap; cp: 4 runs a round (ring, all-gather, contiguous, ring with --no-overlap)
-        jobs += [Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 55 + more, 240),
-                 Job(("pp",), n, ["--rounds", "6", "--steps", "5"], {}, 160 + 6 * more, 360),
-                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 45 + 3 * more, 240),
-                 Job(("zero",), n, ["--rounds", "5", "--steps", "4"], {}, 50 + 2 * more, 180),
+        # dp, pp, tp, zero: also each compared run's exchanges replayed bare on both transports
+        jobs += [Job(("transport",), n, ["--rounds", "3"], {}, 25, 120),
+                 Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 65 + more, 240),
+                 Job(("pp",), n, ["--rounds", "6", "--steps", "5"], {}, 175 + 6 * more, 380),
+                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 52 + 3 * more, 240),
+                 Job(("zero",), n, ["--rounds", "5", "--steps", "4"], {}, 60 + 2 * more, 200),
                  Job(("cp",), n, ["--rounds", "4", "--steps", "4"], {}, 40 + 4 * more, 180),
                  Job(("ep",), n, ["--rounds", "5", "--steps", "6"], {}, 25 + 3 * more, 150)]
+    # The larger GPT: each strategy with a peer, one row each, at N = 2 (two ranks on the two cores).
+    jobs.append(Job(("large",), 2, ["--rounds", "3", "--steps", "3"], {}, 150, 420))
     # The 2 x 2 x 2 grid beside the one-axis grids, 8 ranks on the machine's cores.
     jobs.append(Job(("hybrid",), 8, ["--rounds", "4", "--steps", "4"], {}, 70, 200))
     # MPICH's progress thread moves non-blocking collectives on while backward computes.
