@@ -144,7 +144,7 @@ KINDS = {"Allreduce": "allreduce", "Iallreduce": "allreduce", "Bcast": "bcast", 
          "Ialltoallv": "alltoallv", "Send": "send", "Isend": "send", "Recv": "recv", "Irecv": "recv"}
 SPLITS = ("Split", "Split_type", "Dup", "Create", "Create_cart")  # calls that return a communicator
 RECORDED = {}  # (module, flags, world size) -> this rank's calls of one step, recorded once per job
-BARE_SECONDS = 0.4  # a bare replay repeats for about this long (at least 3 times) on each transport
+BARE_SECONDS = 0.3  # both transports in turns, repeated for about this long (at least 3 times each)
 
 
 def tensor_of(spec):
@@ -363,7 +363,7 @@ def bare_step(module, *flags):
                 kinds[k] = max(kinds[k], b)
         calls_per_kind = {k: max(s.get(k, [0])[0] for s in ctx.comm.allgather(kinds_summary(calls)))
                           for k in kinds}
-        result = bare_both(ctx.comm, calls, ctx.device)
+        result = bare_both(ctx.comm, calls, ctx.device, ctx.args.bare_seconds)
         return {**result, "kinds": {k: [calls_per_kind[k], kinds[k]] for k in sorted(kinds)}}
     return run
 
@@ -386,11 +386,11 @@ def bare_kind(kind, nbytes):
                                               "peer": pair, "tag": 7}]
         else:
             calls = [entry]
-        return {**bare_both(ctx.comm, calls, ctx.device), "bytes": n * 4}
+        return {**bare_both(ctx.comm, calls, ctx.device, ctx.args.bare_seconds), "bytes": n * 4}
     return run
 
 
-TRANSPORT_BYTES = 1 << 20  # one size for every kind: 1 MiB, about a layer's gradient of the large GPT / 12
+TRANSPORT_BYTES = 1 << 20  # one size for every kind: between the toy models' vectors and the larger GPT's
 TRANSPORT_KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast", "alltoall", "alltoallv", "sendrecv")
 
 
@@ -1192,6 +1192,8 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3, help="at most this many runs of every case, taking turns")
     p.add_argument("--steps", type=int, default=20, help="steps per run")
     p.add_argument("--collective-reps", type=int, default=60, help="repetitions of a bare collective")
+    p.add_argument("--bare-seconds", type=float, default=BARE_SECONDS,
+                   help="a bare replay's time on both transports together (at least 3 replays each)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--check", action="store_true", help="run the strategies with --check")
     p.add_argument("--cases", choices=("all", "strategies", "peers"), default="all",
