@@ -197,7 +197,9 @@ def main(argv=None):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="smoke test: 2 ranks, one short round")
     mode.add_argument("--gpu", action="store_true", help="--device cuda, with --check, at 2 and 4 ranks, staged and direct")
-    p.add_argument("--out", default=None, help="markdown file (default: bench/results[-quick|-gpu].md)")
+    p.add_argument("--out", default=None, help="markdown file (default: bench/results[-quick|-gpu][-GROUPS].md)")
+    p.add_argument("--groups", default=None, metavar="G,G", help="only the jobs of the mode that hold these "
+                   f"groups, e.g. large or dp,zero (of {', '.join(GROUP_NEEDS)})")
     p.add_argument("--from-json", metavar="FILE", help="measure nothing: print the table of a saved "
                    "results.json and draw its pictures beside it (with FILE-trace.json's timeline)")
     args = p.parse_args(argv)
@@ -209,7 +211,13 @@ def main(argv=None):
                  path.with_suffix(""))
         return 0
     name = "quick" if args.quick else "gpu" if args.gpu else "full"
-    out = Path(args.out) if args.out else HERE / f"results{'' if name == 'full' else '-' + name}.md"
+    only = args.groups.split(",") if args.groups else None
+    if only and set(only) - set(GROUP_NEEDS):
+        print(f"error: --groups: no group {', '.join(sorted(set(only) - set(GROUP_NEEDS)))}; the groups are "
+              f"{', '.join(GROUP_NEEDS)}", file=sys.stderr)
+        return 2
+    suffix = ("" if name == "full" else "-" + name) + ("-" + "-".join(only) if only else "")
+    out = Path(args.out) if args.out else HERE / f"results{suffix}.md"
 
     import torch  # the versions for the header, from the interpreter the jobs run with
     if args.gpu and not torch.cuda.is_available():
@@ -220,13 +228,14 @@ def main(argv=None):
         KEEP_GPUS.append(True)
     start = time.perf_counter()
     meta = {"mode": name, "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
-            "command": "python bench/run.py" + ("" if name == "full" else f" --{name}"),
+            "command": "python bench/run.py" + ("" if name == "full" else f" --{name}")
+                       + (f" --groups {args.groups}" if only else ""),
             "torch": torch.__version__, "machine": machine(),
             "environment": {k: str(v) for k, v in MODE_ENV.get(name, {}).items()},
             "missing": [s for s in STRATEGIES if not present(s)]}
     runs = []
     for job in plan(name):
-        groups = [g for g in job.groups if any(present(s) for s in GROUP_NEEDS[g])]
+        groups = [g for g in job.groups if any(present(s) for s in GROUP_NEEDS[g]) and (not only or g in only)]
         if not groups:
             continue
         label = f"{' '.join(groups)} -np {job.ranks}" + "".join(f" {k}={v}" for k, v in job.env.items())
@@ -256,9 +265,11 @@ def main(argv=None):
                          "load": [load, load_average()]})
     # Last, in what is left of the budget: the tables come first, the timeline picture after.
     trace = out.with_name(f"{out.stem}-trace.json")
-    print(f"[{time.perf_counter() - start:5.0f} s] pipeline_parallel.py --trace for the timeline picture ...",
-          file=sys.stderr, flush=True)
-    trace_error = record_trace(name, trace, BUDGET[name] - (time.perf_counter() - start))
+    trace_error = None
+    if not only or "pp" in only:  # the timeline is the pipeline's
+        print(f"[{time.perf_counter() - start:5.0f} s] pipeline_parallel.py --trace for the timeline picture ...",
+              file=sys.stderr, flush=True)
+        trace_error = record_trace(name, trace, BUDGET[name] - (time.perf_counter() - start))
     meta["trace"] = {"file": trace.name, "error": trace_error}
     if trace_error:
         print(f"         pipeline_parallel.py --trace: {trace_error}", file=sys.stderr, flush=True)

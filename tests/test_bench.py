@@ -487,3 +487,11 @@ def test_without_a_gpu_the_gpu_commands_say_so_in_one_line_each(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --gpu: torch sees no CUDA device")
     assert len(refused.stderr.splitlines()) == 1
+
+
+def test_groups_picks_the_jobs_of_the_mode_that_hold_them_and_an_unknown_group_is_one_line(capsys):
+    sys.path.insert(0, str(importlib.import_module("harness").ROOT / "bench"))
+    run = importlib.import_module("run")
+    assert run.main(["--groups", "large,nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: --groups: no group nope; the groups are dp, pp,")
+    assert [j.groups for j in run.plan("full") if "large" in j.groups] == [("large",)]
