@@ -200,6 +200,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="markdown file (default: bench/results[-quick|-gpu][-GROUPS].md)")
     p.add_argument("--groups", default=None, metavar="G,G", help="only the jobs of the mode that hold these "
                    f"groups, e.g. large or dp,zero (of {', '.join(GROUP_NEEDS)})")
+    p.add_argument("--ranks", type=int, default=None, help="only the jobs of this world size")
     p.add_argument("--from-json", metavar="FILE", help="measure nothing: print the table of a saved "
                    "results.json and draw its pictures beside it (with FILE-trace.json's timeline)")
     args = p.parse_args(argv)
@@ -216,7 +217,8 @@ def main(argv=None):
         print(f"error: --groups: no group {', '.join(sorted(set(only) - set(GROUP_NEEDS)))}; the groups are "
               f"{', '.join(GROUP_NEEDS)}", file=sys.stderr)
         return 2
-    suffix = ("" if name == "full" else "-" + name) + ("-" + "-".join(only) if only else "")
+    suffix = (("" if name == "full" else "-" + name) + ("-" + "-".join(only) if only else "")
+              + (f"-np{args.ranks}" if args.ranks else ""))
     out = Path(args.out) if args.out else HERE / f"results{suffix}.md"
 
     import torch  # the versions for the header, from the interpreter the jobs run with
@@ -229,12 +231,14 @@ def main(argv=None):
     start = time.perf_counter()
     meta = {"mode": name, "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
             "command": "python bench/run.py" + ("" if name == "full" else f" --{name}")
-                       + (f" --groups {args.groups}" if only else ""),
+                       + (f" --groups {args.groups}" if only else "") + (f" --ranks {args.ranks}" if args.ranks else ""),
             "torch": torch.__version__, "machine": machine(),
             "environment": {k: str(v) for k, v in MODE_ENV.get(name, {}).items()},
             "missing": [s for s in STRATEGIES if not present(s)]}
     runs = []
     for job in plan(name):
+        if args.ranks and job.ranks != args.ranks:
+            continue
         groups = [g for g in job.groups if any(present(s) for s in GROUP_NEEDS[g]) and (not only or g in only)]
         if not groups:
             continue
@@ -266,7 +270,7 @@ def main(argv=None):
     # Last, in what is left of the budget: the tables come first, the timeline picture after.
     trace = out.with_name(f"{out.stem}-trace.json")
     trace_error = None
-    if not only or "pp" in only:  # the timeline is the pipeline's
+    if (not only or "pp" in only) and args.ranks in (None, TRACE_RANKS):  # the timeline is the pipeline's
         print(f"[{time.perf_counter() - start:5.0f} s] pipeline_parallel.py --trace for the timeline picture ...",
               file=sys.stderr, flush=True)
         trace_error = record_trace(name, trace, BUDGET[name] - (time.perf_counter() - start))
