@@ -973,11 +973,11 @@ TIE = 0.03  # the bench's rule: within 3%, or rounds agreeing less than 3 in 4, 
 
 
 def verdict(each):
-    """The bench's rule on per-round ratios a / b: ('faster' | 'slower' | 'tie', rounds a was
-    faster in, rounds)."""
+    """The bench's rule on per-round ratios a / b: ('faster' | 'slower' | 'tie' | 'one round', rounds
+    a was faster in, rounds). One round is no verdict: nothing says how the next would fall."""
     x, won = statistics.median(each), sum(r < 1 for r in each)
     agree = max(won, sum(r > 1 for r in each)) / len(each)
-    word = ("tie" if abs(x - 1) < TIE or (len(each) > 1 and agree < 0.75)
+    word = ("one round" if len(each) < 2 else "tie" if abs(x - 1) < TIE or agree < 0.75
             else "faster" if x < 1 else "slower")
     return word, won, len(each)
 
@@ -995,7 +995,8 @@ def verdict_cell(each):
     if not each:
         return "–"
     word, _, _ = verdict(each)
-    return {"tie": "tie", "faster": "ours faster", "slower": "PyTorch's faster"}[word]
+    return {"tie": "tie", "faster": "ours faster", "slower": "PyTorch's faster",
+            "one round": "one round: no verdict"}[word]
 
 
 def on_gloo(ours, bare, peer):
