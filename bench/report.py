@@ -702,7 +702,10 @@ def findings(meta, runs, cores):
         rounds_note = (f"median of {len(each)} rounds, {min(each):.2f} to {max(each):.2f}"
                        if len(each) > 1 else "one round: indicative only")
         won = f"; {name_a} faster in {sum(r < 1 for r in each)} of {len(each)} rounds" if len(each) > 1 else ""
-        if abs(x - 1) < TIE:
+        if len(each) < 2:  # nothing says how a second round would fall
+            out.append(f"{where}: {name_a} takes {x:.2f}× the step time of {name_b} in the one round measured: "
+                       "no verdict.")
+        elif abs(x - 1) < TIE:
             out.append(f"{where}: {name_a} and {name_b} take the same time ({x:.2f}×; {rounds_note}){won}.")
         elif len(each) > 1 and agree < 0.75:
             out.append(f"{where}: no clear winner between {name_a} and {name_b}: the rounds disagree "
