@@ -127,6 +127,13 @@ def test_the_summary_sets_every_ratio_beside_the_bare_cost_of_its_exchanges_and_
     assert "| 2 | data_parallel.py / DDP | allreduce 1 × = 247,960 B | 0.5 | 3.0 | 6.0× |" in section
     assert "data_parallel.py and PyTorch DDP (gloo) take the same time (1.02×; median of 3 rounds, " \
            "1.00 to 1.04); data_parallel.py faster in 0 of 3 rounds." in text
+    # one round is no verdict, however far from 1x
+    one = runs([0.020])[0]
+    one["result"]["cases"] = [dict(c, result={**c["result"], "step_time_s_rounds": c["result"]["step_time_s_rounds"][:1]})
+                              if "step_time_s_rounds" in c["result"] else c for c in one["result"]["cases"]]
+    text = report.render(META, [one])
+    assert "| data | 2 | data_parallel.py / DDP | 0.50× (faster in 1 of 1) | one round: no verdict |" in text
+    assert "data_parallel.py takes 0.50× the step time of PyTorch DDP (gloo) in the one round measured: no verdict." in text
 
 
 def test_the_transport_table_says_whether_gloos_reduce_scatter_moves_what_an_allreduce_moves():
