@@ -37,6 +37,11 @@ def scaling_job(runs):
                default=None)
 
 
+def cases_of(j):
+    """A job's cases but the bare replays of a strategy's exchanges (they have tables of their own)."""
+    return [c for c in j["result"]["cases"] if c["tags"]["kind"] != "bare"]
+
+
 def ok(c):
     return c is not None and "error" not in c["result"]
 
@@ -211,7 +216,7 @@ def data_parallel(meta, runs, cores):
         peer, floor = case(j, variant="ddp"), case(j, kind="floor")
         bare = case(j, kind="limit", variant="mpi")
         bare_s = bare["result"]["step_time_s"] if ok(bare) else None
-        for c in j["result"]["cases"]:
+        for c in cases_of(j):
             if not ok(c):
                 rows.append([where] + failed_row(c, len(head) - 1))
                 continue
@@ -230,7 +235,7 @@ def data_parallel(meta, runs, cores):
                          times(comm / bare_s if comm is not None and bare_s else None, 1), exposed,
                          sci(loss_diff(c, peer)) if kind == "strategy" else "–",
                          check_cell(c) if kind == "strategy" else "–"])
-    return lines + table(head, rows) + load_line([j for _, _, j in jobs])
+    return lines + table(head, rows) + bare_table(runs, "dp", cores) + load_line([j for _, _, j in jobs])
 
 
 def pipeline(meta, runs, cores):
@@ -259,7 +264,7 @@ def pipeline(meta, runs, cores):
     rows = []
     for n, j in jobs:
         where = ranks_label(n, cores)
-        for c in j["result"]["cases"]:
+        for c in cases_of(j):
             if not ok(c):
                 rows.append([where] + failed_row(c, len(head) - 1))
                 continue
@@ -286,7 +291,7 @@ def pipeline(meta, runs, cores):
                          per_rank(r.get("peak_activations")),
                          per_rank(r.get("peak_activation_bytes"), lambda b: f"{b / 1e6:.2f}"),
                          ratio_cell(c, peer), check_cell(c)])
-    return lines + table(head, rows) + load_line([j for _, j in jobs])
+    return lines + table(head, rows) + bare_table(runs, "pp", cores) + load_line([j for _, j in jobs])
 
 
 def tensor_parallel(meta, runs, cores):
@@ -315,7 +320,7 @@ def tensor_parallel(meta, runs, cores):
     rows = []
     for n, j in jobs:
         where = ranks_label(n, cores)
-        for c in j["result"]["cases"]:
+        for c in cases_of(j):
             if not ok(c):
                 rows.append([where] + failed_row(c, len(head) - 1))
                 continue
@@ -330,7 +335,7 @@ def tensor_parallel(meta, runs, cores):
                           + (f" ({mb(r['activation_bytes_formula'])})" if "activation_bytes_formula" in r else ""))
                          if mine and saved else "–",
                          "–" if mine else sci(loss_diff(c, ours)), check_cell(c) if mine else "–"])
-    return lines + table(head, rows)
+    return lines + table(head, rows) + bare_table(runs, "tp", cores)
 
 
 def slowest_share(pairs):
@@ -632,7 +637,7 @@ def sharded(meta, runs, cores):
     for n, j in jobs:
         where = ranks_label(n, cores)
         ddp = case(j, kind="peer", variant="ddp")
-        for c in j["result"]["cases"]:
+        for c in cases_of(j):
             if not ok(c):
                 rows.append([where] + failed_row(c, len(head) - 1))
                 continue
@@ -649,7 +654,7 @@ def sharded(meta, runs, cores):
                          mb(formula["total"]) if formula else "–",
                          mb(max(r["peak_memory_bytes_per_rank"])) if r.get("peak_memory_bytes_per_rank") else "–", sent,
                          sci(loss_diff(c, counterpart(j, c)))])
-    return lines + table(head, rows) + load_line([j for _, j in jobs])
+    return lines + table(head, rows) + bare_table(runs, "zero", cores) + load_line([j for _, j in jobs])
 
 
 def scaling(meta, runs, cores):
@@ -699,16 +704,20 @@ def findings(meta, runs, cores):
         agree = max(sum(r < 1 for r in each), sum(r > 1 for r in each)) / len(each)
         rounds_note = (f"median of {len(each)} rounds, {min(each):.2f} to {max(each):.2f}"
                        if len(each) > 1 else "one round: indicative only")
-        if abs(x - 1) < 0.03:
-            out.append(f"{where}: {name_a} and {name_b} take the same time ({x:.2f}×; {rounds_note}).")
+        won = f"; {name_a} faster in {sum(r < 1 for r in each)} of {len(each)} rounds" if len(each) > 1 else ""
+        if len(each) < 2:  # nothing says how a second round would fall
+            out.append(f"{where}: {name_a} takes {x:.2f}× the step time of {name_b} in the one round measured: "
+                       "no verdict.")
+        elif abs(x - 1) < TIE:
+            out.append(f"{where}: {name_a} and {name_b} take the same time ({x:.2f}×; {rounds_note}){won}.")
         elif len(each) > 1 and agree < 0.75:
             out.append(f"{where}: no clear winner between {name_a} and {name_b}: the rounds disagree "
-                       f"({x:.2f}×; {rounds_note}).")
+                       f"({x:.2f}×; {rounds_note}){won}.")
         elif x < 1:
-            out.append(f"{where}: {name_a} is faster than {name_b}: {x:.2f}× its step time ({rounds_note}).")
+            out.append(f"{where}: {name_a} is faster than {name_b}: {x:.2f}× its step time ({rounds_note}){won}.")
         else:
             out.append(f"{where}: {name_b} is faster than {name_a}: {name_a} takes {x:.2f}× its step "
-                       f"time ({rounds_note}).")
+                       f"time ({rounds_note}){won}.")
 
     for n in (2, 4):
         for env in ({}, {"MPIR_CVAR_ASYNC_PROGRESS": "1"}):
@@ -965,7 +974,7 @@ def sharded_findings(j, where):
             out.append(f"{where}: FSDP2 peaks at {mb(peak(fsdp))} MB per rank against {mb(peak(three))} MB "
                        f"for stage 3 (whole layers gathered at once: {mb(b['gathered'])} against "
                        f"{mb(ours_gathered)} MB" + ("" if "gathered" in a else ", stage 3's by its formula") + ").")
-    diffs = [d for d in (loss_diff(c, counterpart(j, c)) for c in j["result"]["cases"]) if d is not None]
+    diffs = [d for d in (loss_diff(c, counterpart(j, c)) for c in cases_of(j)) if d is not None]
     if diffs:
         agree = "are identical to" if max(diffs) == 0 else f"agree to within {max(diffs):.1e} with"
         out.append(f"{where}: the loss curves of {plural(len(diffs), 'run')} {agree} their "
@@ -973,11 +982,237 @@ def sharded_findings(j, where):
                    "implementation shards it.")
     return out
 
+# -----------------------------------------------------------------------------
+# Transport against strategy: each comparison beside the bare cost of its exchanges
+# -----------------------------------------------------------------------------
+TIE = 0.03  # the bench's rule: within 3%, or rounds agreeing less than 3 in 4, the two take the same time
+
+
+def verdict(each):
+    """The bench's rule on per-round ratios a / b: ('faster' | 'slower' | 'tie' | 'one round', rounds
+    a was faster in, rounds). One round is no verdict: nothing says how the next would fall."""
+    x, won = statistics.median(each), sum(r < 1 for r in each)
+    agree = max(won, sum(r > 1 for r in each)) / len(each)
+    word = ("one round" if len(each) < 2 else "tie" if abs(x - 1) < TIE or agree < 0.75
+            else "faster" if x < 1 else "slower")
+    return word, won, len(each)
+
+
+def rounds_cell(each):
+    """A paired ratio: median (lowest–highest round; rounds in which ours was faster)."""
+    if not each:
+        return "–"
+    _, won, total = verdict(each)
+    spread = f"{min(each):.2f}–{max(each):.2f}; " if total > 1 else ""
+    return f"{statistics.median(each):.2f}× ({spread}faster in {won} of {total})"
+
+
+def verdict_cell(each):
+    if not each:
+        return "–"
+    word, _, _ = verdict(each)
+    return {"tie": "tie", "faster": "ours faster", "slower": "PyTorch's faster",
+            "one round": "one round: no verdict"}[word]
+
+
+def on_gloo(ours, bare, peer):
+    """Per round: our step with its exchanges charged at gloo's bare cost instead of MPI's (our step
+    + gloo's bare replay − MPI's), over the peer's step: the ratio had ours run on the peer's
+    transport, if none of that difference were hidden."""
+    if not (ok(ours) and ok(bare) and ok(peer)):
+        return []
+    return [(a + g - m) / b for a, b, m, g in zip(rounds(ours), rounds(peer), rounds(bare, "bare_mpi_s"),
+                                                    rounds(bare, "bare_gloo_s"))]
+
+
+def comparisons(runs):
+    """Every pairing of one of our runs with PyTorch's: (section, N, label, ours, peer, bare)."""
+    out = []
+    for n, j in jobs_measured(runs, "dp"):
+        for v in ("default", "small", "no_overlap"):
+            ours = case(j, variant=v)
+            if ours:
+                out.append(("dp", n, ours["label"] + " / DDP", ours, case(j, variant="ddp"), j))
+    for n, j in jobs_measured(runs, "pp"):
+        for peer in (c for c in cases_of(j) if c["tags"]["kind"] == "peer" and c["tags"].get("schedule")):
+            ours = case(j, kind="strategy", schedule=peer["tags"]["schedule"], m=peer["tags"]["m"])
+            if ours:
+                out.append(("pp", n, f"--schedule {peer['tags']['schedule']}, M = {peer['tags']['m']} / "
+                            f"{peer['tags'].get('torch') or peer['label']}", ours, peer, j))
+    for n, j in jobs_measured(runs, "tp"):
+        for mode, name in (("plain", "tensor_parallel.py / torch.distributed.tensor.parallel"),
+                           ("sequence_parallel", "--sequence-parallel / SequenceParallel")):
+            ours = case(j, kind="strategy", mode=mode)
+            if ours:
+                out.append(("tp", n, name, ours, case(j, kind="peer", mode=mode), j))
+    for n, j in jobs_measured(runs, "zero"):
+        for k in (1, 2, 3):
+            ours, peer = case(j, kind="strategy", stage=k), case(j, kind="peer", stage=k)
+            if ours and peer:
+                out.append(("zero", n, f"--zero-stage {k} / {peer['label'].split(' (gloo)')[0]}", ours, peer, j))
+    for n, j in jobs_measured(runs, "large", (2, 4)):
+        for ours in (c for c in cases_of(j) if c["tags"]["kind"] == "strategy"):
+            peer = case(j, kind="peer", pair=ours["tags"]["pair"])
+            out.append(("large", n, f"{ours['label']} / {peer['label'] if peer else 'none'}", ours, peer, j))
+    return [(section, n, label, ours, peer, case(j, kind="bare", of=ours["label"]))
+            for section, n, label, ours, peer, j in out]
+
+
+def kinds_cell(bare):
+    """One step's exchanges by kind: calls and the bytes handed over (the most of any rank)."""
+    if not ok(bare) or "kinds" not in bare["result"]:
+        return "–"
+    return "; ".join(f"{kind} {calls} × = {nbytes:,} B" for kind, (calls, nbytes) in bare["result"]["kinds"].items())
+
+
+def bare_table(runs, section, cores):
+    """Each comparison of a section beside what its exchanges cost bare, on MPI and on gloo."""
+    rows = []
+    for s, n, label, ours, peer, bare in comparisons(runs):
+        if s != section:
+            continue
+        if bare is not None and not ok(bare):
+            rows.append([ranks_label(n, cores), label, f"not measured: {bare['result']['error']}"] + [""] * 5)
+            continue
+        r = bare["result"] if bare else {}
+        mpi, gloo = r.get("bare_mpi_s"), r.get("bare_gloo_s")
+        each = paired(ours, peer, lambda p, q: p / q) if ok(ours) and ok(peer) else []
+        rows.append([ranks_label(n, cores), label, kinds_cell(bare), ms(mpi), ms(gloo),
+                     times(gloo / mpi if mpi and gloo else None, 1), rounds_cell(each),
+                     rounds_cell(on_gloo(ours, bare, peer))])
+    if not rows:
+        return []
+    return ["**Transport against strategy.** Each comparison beside the exchanges of one step of ours, "
+            "written down at the MPI call (kind, calls, bytes) and replayed bare, back to back, on MPI "
+            "(shared memory) and on gloo (TCP, the peers' transport) in the same job, in turns: "
+            "what they cost with nothing else to do. *× peer*: our step over PyTorch's, paired by round, "
+            "and the rounds ours was faster in; *at gloo's cost*: the same with our step charged the bare "
+            "gloo time of its exchanges instead of the bare MPI time (our step + gloo − MPI, paired by "
+            "round), as if ours ran on the peer's transport and none of the difference were hidden. "
+            "The peer's own calls may differ from ours in kind and number (its group's table says where).",
+            ""] + table(["N", "comparison", "our exchanges per step (kind, calls, bytes)", "bare MPI ms",
+                         "bare gloo ms", "gloo ÷ MPI", "× peer (range; rounds)",
+                         "× peer, ours at gloo's cost (range; rounds)"], rows)
+
+
+def summary(meta, runs, cores):
+    """Every ratio of ours against PyTorch's, with the bench's verdict, before and after the
+    transport is taken out."""
+    rows = []
+    for section, n, label, ours, peer, bare in comparisons(runs):
+        each = paired(ours, peer, lambda p, q: p / q) if ok(ours) and ok(peer) else []
+        adjusted = on_gloo(ours, bare, peer)
+        r = bare["result"] if ok(bare) else {}
+        rows.append([SECTION_NAMES[section], ranks_label(n, cores), label, rounds_cell(each), verdict_cell(each),
+                     f"{ms(r.get('bare_mpi_s'))} / {ms(r.get('bare_gloo_s'))}" if r else "–",
+                     rounds_cell(adjusted), verdict_cell(adjusted)])
+    if not rows:
+        return []
+    return ["## Summary: ours against PyTorch's, and how much of it is transport", "",
+            "Every pairing of one of our runs with PyTorch's in the tables below. *× PyTorch*: our step "
+            "over theirs, paired round by round (median; lowest–highest round; the rounds ours was faster "
+            f"in). *Verdict*, the bench's rule: a tie within {TIE:.0%} of 1× or where fewer than 3 rounds "
+            "in 4 agree. *Our exchanges bare*: one step's collectives and messages of ours replayed with "
+            "nothing else to do, on MPI / on gloo. *At gloo's cost*: our step charged the gloo time of "
+            "its exchanges instead of the MPI time, over PyTorch's step: what is left of the ratio "
+            "when both sides pay the same transport, as far as a bare replay can tell.", ""] + table(
+        ["strategy", "N", "ours / PyTorch's", "× PyTorch (range; rounds)", "verdict", "our exchanges bare: MPI / gloo ms",
+         "× PyTorch, ours at gloo's cost (range; rounds)", "verdict"], rows)
+
+
+SECTION_NAMES = {"dp": "data", "pp": "pipeline", "tp": "tensor", "zero": "ZeRO", "large": "larger GPT"}
+
+
+def transport(meta, runs, cores):
+    """Every kind of exchange the strategies use, bare on both transports, and gloo's bytes."""
+    lines = ["## Transport: MPI over shared memory against gloo over TCP, bare", ""]
+    jobs = jobs_measured(runs, "transport")
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][1]["result"]
+    lines += ["Each kind of exchange the strategies use, on one float32 vector (the whole vector: an "
+              "all-gather's output, a reduce-scatter's input, what each rank sends to all in an "
+              "all-to-all; a message from each even rank to the next), back to back, MPI and gloo in "
+              f"turns ({plural(first['rounds'], 'round')}), then one step's exchanges of the strategies "
+              "that have no PyTorch peer here. *Gloo wrote*: the bytes the process handed to its "
+              "sockets per call (`wchar` of /proc/self/io, mean over ranks; MPICH's shared memory "
+              "writes none), over the vector's bytes. A ring allreduce sends 2(N−1)/N of the vector per "
+              "rank, a reduce-scatter or an all-gather (N−1)/N.", ""]
+    head = ["N", "exchange", "bytes", "bare MPI ms (range)", "bare gloo ms (range)", "gloo ÷ MPI",
+            "gloo wrote per rank ÷ bytes"]
+    rows = []
+    for n, j in jobs:
+        for c in j["result"]["cases"]:
+            if not ok(c):
+                rows.append([ranks_label(n, cores)] + failed_row(c, len(head) - 1))
+                continue
+            r = c["result"]
+            size = r.get("bytes") or sum(b for _, b in r.get("kinds", {}).values())
+            cells = [f"{ms(r[k])} ({ms(min(rounds(c, k)))}–{ms(max(rounds(c, k)))})" if len(rounds(c, k)) > 1
+                     else ms(r[k]) for k in ("bare_mpi_s", "bare_gloo_s")]
+            rows.append([ranks_label(n, cores), c["label"] if "bytes" in r else f"{c['label']}: {kinds_cell(c)}",
+                         f"{size:,}", *cells, times(r["bare_gloo_s"] / r["bare_mpi_s"], 1),
+                         f"{r['gloo_bytes_written'] / size:.2f}" if r.get("gloo_bytes_written") is not None and size
+                         else "–"])
+    return lines + table(head, rows) + transport_findings(jobs, cores) + load_line([j for _, j in jobs])
+
+
+def transport_findings(jobs, cores):
+    """Is gloo's reduce-scatter an allreduce underneath? Its bytes and time against both."""
+    out = []
+    for n, j in jobs:
+        rs, ar, ag = (case(j, op=k) for k in ("reduce_scatter", "allreduce", "allgather"))
+        if not (ok(rs) and ok(ar)) or rs["result"].get("gloo_bytes_written") is None:
+            continue
+        size = rs["result"]["bytes"]
+        wrote = {k: c["result"]["gloo_bytes_written"] / size for k, c in (("rs", rs), ("ar", ar), ("ag", ag)) if ok(c)}
+        time_ratio = statistics.median(paired(rs, ar, lambda p, q: p / q, "bare_gloo_s"))
+        like = abs(wrote["rs"] - wrote["ar"]) < 0.1 * wrote["ar"]
+        out.append(f"N = {ranks_label(n, cores)}: gloo's reduce-scatter wrote {wrote['rs']:.2f}× its vector per rank, "
+                   f"its allreduce {wrote['ar']:.2f}×"
+                   + (f", its all-gather {wrote['ag']:.2f}×" if "ag" in wrote else "")
+                   + f" (a ring reduce-scatter sends {(n - 1) / n:.2f}×, a ring allreduce {2 * (n - 1) / n:.2f}×); "
+                   f"it took {time_ratio:.2f}× the allreduce's time, paired by round. "
+                   + ("It moves what an allreduce moves: an allreduce underneath, of which each rank keeps its part."
+                      if like else "It does not move what an allreduce moves."))
+        if ok(rs):
+            mpi_ratio = statistics.median(paired(rs, ar, lambda p, q: p / q, "bare_mpi_s"))
+            out[-1] += f" MPI's reduce-scatter took {mpi_ratio:.2f}× MPI's allreduce."
+    return [f"- {line}" for line in out] + ([""] if out else [])
+
+
+def larger_model(meta, runs, cores):
+    lines = ["## A larger GPT: where compute, not overhead, decides", ""]
+    jobs = jobs_measured(runs, "large", (2, 4))
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][1]["result"]
+    cfg = first.get("config") or {}
+    lines += [f"The GPT of the toy rows at {cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × "
+              f"{cfg.get('heads')} heads, sequences of {cfg.get('seq_len')} characters, each script's default "
+              f"batch ({plural(first['steps'], 'step')} per run, {plural(first['rounds'], 'round')}); the "
+              "peers configured as in their groups. *× peer*: our step over the peer's beside it, paired "
+              "by round; *loss Δ*: between the two loss curves.", ""]
+    head = ["N", "run", "step ms (range)", "× peer (range; rounds)", "loss Δ"]
+    rows = []
+    for n, j in jobs:
+        for c in cases_of(j):
+            if not ok(c):
+                rows.append([ranks_label(n, cores)] + failed_row(c, len(head) - 1))
+                continue
+            mine = c["tags"]["kind"] == "strategy"
+            peer = case(j, kind="peer", pair=c["tags"]["pair"]) if mine else None
+            each = paired(c, peer, lambda p, q: p / q) if mine and ok(peer) else []
+            rows.append([ranks_label(n, cores), c["label"], step_cell(c), rounds_cell(each),
+                         sci(loss_diff(c, peer)) if mine else "–"])
+    return lines + table(head, rows) + bare_table(runs, "large", cores) + load_line([j for _, j in jobs])
+
+
 
 def render(meta, runs):
     cores = meta["machine"]["cores"]
     lines = header(meta, runs)
-    for section in (data_parallel, pipeline, tensor_parallel, sharded, hybrid, context_parallel,
-                    expert_parallel, overlap, scaling, findings):
+    for section in (summary, transport, data_parallel, pipeline, tensor_parallel, sharded, larger_model, hybrid,
+                    context_parallel, expert_parallel, overlap, scaling, findings):
         lines += section(meta, runs, cores)
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Benchmark every strategy against its peers and the machine's limit; print and save the table.
 
-    python bench/run.py              # the full table, under 20 minutes on 2 CPU cores
+    python bench/run.py              # the full table, under 24 minutes on 2 CPU cores
     python bench/run.py --quick      # a smoke test in about two minutes (2 ranks, one round)
     python bench/run.py --gpu        # every strategy on --device cuda with --check, one GPU
 
@@ -32,7 +32,7 @@ from harness import clean_env  # noqa: E402  (the tests' rule for a clean MPI en
 import report  # noqa: E402
 import plots  # noqa: E402  (imports matplotlib only when it draws)
 
-BUDGET = {"full": 1150, "quick": 180, "gpu": 420}  # seconds, the traced run included: no job runs past them
+BUDGET = {"full": 1440, "quick": 200, "gpu": 420}  # seconds, the traced run included: no job runs past them
 MODE_ENV = {}  # for every job of a mode (the GPU jobs set their transport one by one)
 KEEP_GPUS = []  # set by --gpu: the jobs see this machine's GPUs (the tests' environment hides them)
 MIN_JOB_SECONDS = 20
@@ -40,7 +40,8 @@ STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_pa
               "sharded_data_parallel", "hybrid_parallel", "context_parallel", "expert_parallel")
 GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_parallel"),
                "tp": ("tensor_parallel",), "zero": ("sharded_data_parallel",), "hybrid": ("hybrid_parallel",),
-               "cp": ("context_parallel",), "ep": ("expert_parallel",), "scaling": STRATEGIES[:4]}
+               "cp": ("context_parallel",), "ep": ("expert_parallel",), "scaling": STRATEGIES[:4],
+               "transport": STRATEGIES, "large": ("tensor_parallel", "pipeline_parallel", "sharded_data_parallel")}
 
 
 Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
@@ -57,8 +58,9 @@ def plan(mode):
     runs), so that on a busy machine the run keeps to its budget with fewer rounds; timeout: the
     job is killed past it."""
     if mode == "quick":
-        flags = ["--rounds", "1", "--steps", "5", "--collective-reps", "20", "--micro-batches", "2,8"]
-        return [Job(("dp", "pp", "tp", "zero", "cp", "ep", "scaling"), 2, flags, {}, 60, 160)]
+        flags = ["--rounds", "1", "--steps", "5", "--collective-reps", "20", "--bare-seconds", "0.1",
+                 "--micro-batches", "2,8"]
+        return [Job(("dp", "pp", "tp", "zero", "cp", "ep", "scaling", "transport"), 2, flags, {}, 60, 180)]
     if mode == "gpu":  # peers apart, so that one failing cannot take a strategy's rows with it
         # Every strategy with --check at 2 and 4 ranks (ranks may share a GPU), in both transports:
         # staged through host memory, and as the library decides (direct where it is CUDA-aware).
@@ -78,12 +80,16 @@ def plan(mode):
         # round, on 8 blocks
         # tp: plain and sequence-parallel, each beside torch's; zero: stages 2 and 3 also with
         # --no-overlap; cp: 5 runs a round (ring, all-gather, all-to-all, contiguous, ring with --no-overlap)
-        jobs += [Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 55 + more, 240),
-                 Job(("pp",), n, ["--rounds", "6", "--steps", "5"], {}, 160 + 6 * more, 360),
-                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 45 + 3 * more, 240),
-                 Job(("zero",), n, ["--rounds", "5", "--steps", "4"], {}, 50 + 2 * more, 180),
+        # dp, pp, tp, zero: also each compared run's exchanges replayed bare on both transports
+        jobs += [Job(("transport",), n, ["--rounds", "3"], {}, 25, 120),
+                 Job(("dp",), n, ["--rounds", "10", "--steps", "16"], {}, 65 + more, 240),
+                 Job(("pp",), n, ["--rounds", "6", "--steps", "5"], {}, 175 + 6 * more, 380),
+                 Job(("tp",), n, ["--rounds", "6", "--steps", "6"], {}, 52 + 3 * more, 240),
+                 Job(("zero",), n, ["--rounds", "5", "--steps", "4"], {}, 60 + 2 * more, 200),
                  Job(("cp",), n, ["--rounds", "4", "--steps", "4"], {}, 40 + 4 * more, 180),
                  Job(("ep",), n, ["--rounds", "5", "--steps", "6"], {}, 25 + 3 * more, 150)]
+    # The larger GPT: each strategy with a peer, one row each, at N = 2 (two ranks on the two cores).
+    jobs.append(Job(("large",), 2, ["--rounds", "3", "--steps", "3"], {}, 180, 420))
     # The 2 x 2 x 2 grid beside the one-axis grids, 8 ranks on the machine's cores.
     jobs.append(Job(("hybrid",), 8, ["--rounds", "4", "--steps", "4"], {}, 70, 200))
     # MPICH's progress thread moves non-blocking collectives on while backward computes.
@@ -191,7 +197,10 @@ def main(argv=None):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="smoke test: 2 ranks, one short round")
     mode.add_argument("--gpu", action="store_true", help="--device cuda, with --check, at 2 and 4 ranks, staged and direct")
-    p.add_argument("--out", default=None, help="markdown file (default: bench/results[-quick|-gpu].md)")
+    p.add_argument("--out", default=None, help="markdown file (default: bench/results[-quick|-gpu][-GROUPS].md)")
+    p.add_argument("--groups", default=None, metavar="G,G", help="only the jobs of the mode that hold these "
+                   f"groups, e.g. large or dp,zero (of {', '.join(GROUP_NEEDS)})")
+    p.add_argument("--ranks", type=int, default=None, help="only the jobs of this world size")
     p.add_argument("--from-json", metavar="FILE", help="measure nothing: print the table of a saved "
                    "results.json and draw its pictures beside it (with FILE-trace.json's timeline)")
     args = p.parse_args(argv)
@@ -203,7 +212,14 @@ def main(argv=None):
                  path.with_suffix(""))
         return 0
     name = "quick" if args.quick else "gpu" if args.gpu else "full"
-    out = Path(args.out) if args.out else HERE / f"results{'' if name == 'full' else '-' + name}.md"
+    only = args.groups.split(",") if args.groups else None
+    if only and set(only) - set(GROUP_NEEDS):
+        print(f"error: --groups: no group {', '.join(sorted(set(only) - set(GROUP_NEEDS)))}; the groups are "
+              f"{', '.join(GROUP_NEEDS)}", file=sys.stderr)
+        return 2
+    suffix = (("" if name == "full" else "-" + name) + ("-" + "-".join(only) if only else "")
+              + (f"-np{args.ranks}" if args.ranks else ""))
+    out = Path(args.out) if args.out else HERE / f"results{suffix}.md"
 
     import torch  # the versions for the header, from the interpreter the jobs run with
     if args.gpu and not torch.cuda.is_available():
@@ -214,13 +230,16 @@ def main(argv=None):
         KEEP_GPUS.append(True)
     start = time.perf_counter()
     meta = {"mode": name, "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
-            "command": "python bench/run.py" + ("" if name == "full" else f" --{name}"),
+            "command": "python bench/run.py" + ("" if name == "full" else f" --{name}")
+                       + (f" --groups {args.groups}" if only else "") + (f" --ranks {args.ranks}" if args.ranks else ""),
             "torch": torch.__version__, "machine": machine(),
             "environment": {k: str(v) for k, v in MODE_ENV.get(name, {}).items()},
             "missing": [s for s in STRATEGIES if not present(s)]}
     runs = []
     for job in plan(name):
-        groups = [g for g in job.groups if any(present(s) for s in GROUP_NEEDS[g])]
+        if args.ranks and job.ranks != args.ranks:
+            continue
+        groups = [g for g in job.groups if any(present(s) for s in GROUP_NEEDS[g]) and (not only or g in only)]
         if not groups:
             continue
         label = f"{' '.join(groups)} -np {job.ranks}" + "".join(f" {k}={v}" for k, v in job.env.items())
@@ -250,9 +269,11 @@ def main(argv=None):
                          "load": [load, load_average()]})
     # Last, in what is left of the budget: the tables come first, the timeline picture after.
     trace = out.with_name(f"{out.stem}-trace.json")
-    print(f"[{time.perf_counter() - start:5.0f} s] pipeline_parallel.py --trace for the timeline picture ...",
-          file=sys.stderr, flush=True)
-    trace_error = record_trace(name, trace, BUDGET[name] - (time.perf_counter() - start))
+    trace_error = None
+    if (not only or "pp" in only) and args.ranks in (None, TRACE_RANKS):  # the timeline is the pipeline's
+        print(f"[{time.perf_counter() - start:5.0f} s] pipeline_parallel.py --trace for the timeline picture ...",
+              file=sys.stderr, flush=True)
+        trace_error = record_trace(name, trace, BUDGET[name] - (time.perf_counter() - start))
     meta["trace"] = {"file": trace.name, "error": trace_error}
     if trace_error:
         print(f"         pipeline_parallel.py --trace: {trace_error}", file=sys.stderr, flush=True)

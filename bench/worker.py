@@ -135,6 +135,279 @@ def defaults(module, world_size, *flags):
 
 
 # -----------------------------------------------------------------------------
+# Bare collectives: a strategy's step written down at the MPI call, replayed on MPI and on gloo
+# -----------------------------------------------------------------------------
+# mpi4py's buffer methods, by the kind of exchange they are; gloo's counterpart of each below
+KINDS = {"Allreduce": "allreduce", "Iallreduce": "allreduce", "Bcast": "bcast", "Ibcast": "bcast",
+         "Allgather": "allgather", "Iallgather": "allgather", "Reduce_scatter_block": "reduce_scatter",
+         "Ireduce_scatter_block": "reduce_scatter", "Alltoall": "alltoall", "Alltoallv": "alltoallv",
+         "Ialltoallv": "alltoallv", "Send": "send", "Isend": "send", "Recv": "recv", "Irecv": "recv"}
+SPLITS = ("Split", "Split_type", "Dup", "Create", "Create_cart")  # calls that return a communicator
+RECORDED = {}  # (module, flags, world size) -> this rank's calls of one step, recorded once per job
+BARE_SECONDS = 0.3  # both transports in turns, repeated for about this long (at least 3 times each)
+
+
+def tensor_of(spec):
+    """The tensor in an mpi4py buffer argument: the tensor itself or the first of [tensor, counts...]."""
+    return spec[0] if isinstance(spec, (list, tuple)) else spec
+
+
+def counts_of(spec, size):
+    """The per-rank counts (elements) of an Alltoallv buffer [tensor, (counts, offsets)]."""
+    counts = spec[1][0] if isinstance(spec[1], (list, tuple)) and isinstance(spec[1][0], (list, tuple)) \
+        else spec[1]
+    return [int(c) for c in counts][:size]
+
+
+class RecordingComm:
+    """mpi4py's communicator, handed to a strategy's main() in place of the job's: every call goes
+    to MPI unchanged, and each buffer exchange is written down on the way (its kind, dtype, element
+    counts, peer, tag and the size of its communicator); a communicator split from it records too."""
+
+    def __init__(self, comm, log):
+        self.comm, self.log = comm, log
+
+    def __getattr__(self, name):
+        call = getattr(self.comm, name)
+        if name in SPLITS:
+            return lambda *a, **k: (lambda c: c if c == MPI.COMM_NULL else RecordingComm(c, self.log))(call(*a, **k))
+        if name not in KINDS:
+            return call
+
+        def recorded(*args, **kwargs):
+            kind, size = KINDS[name], self.comm.Get_size()
+            entry = {"kind": kind, "size": size}
+            if kind in ("send", "recv"):
+                t = args[0]
+                entry["peer"] = kwargs.get("dest", kwargs.get("source", args[1] if len(args) > 1 else None))
+                entry["tag"] = kwargs.get("tag", args[2] if len(args) > 2 else 0)
+            elif kind == "alltoallv":
+                t = tensor_of(args[0])
+                entry["counts"] = [counts_of(args[0], size), counts_of(args[1], size)]
+            else:
+                t = tensor_of(args[1] if args[0] is MPI.IN_PLACE else args[0])
+                if kind in ("allgather", "alltoall"):  # the whole vector: the receive buffer
+                    t = tensor_of(args[1])
+                if kind == "bcast":
+                    entry["root"] = kwargs.get("root", args[1] if len(args) > 1 else 0)
+            entry.update(dtype=str(t.dtype).removeprefix("torch."), numel=t.numel())
+            self.log.append(entry)
+            return call(*args, **kwargs)
+        return recorded
+
+
+def record_step(ctx, module, flags):
+    """Run the strategy for 3 steps with its exchanges written down, and keep those of its last
+    step (between the last two of its timeline's step ends): the collectives and messages one
+    steady step hands MPI, on this rank, in order."""
+    key = (module, tuple(map(str, flags)), ctx.comm.Get_size())
+    if key in RECORDED:
+        return RECORDED[key]
+    m = importlib.import_module(module)
+    log, marks = [], []
+    step_record = m.Timeline.step_record
+
+    def marked(self, start):
+        marks.append(len(log))
+        return step_record(self, start)
+    m.Timeline.step_record = marked
+    try:
+        argv = [*map(str, flags), "--steps", "3", "--device", ctx.args.device, "--log-every", str(10 ** 6),
+                "--no-check"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = m.main(argv, RecordingComm(ctx.comm, log))
+    finally:
+        m.Timeline.step_record = step_record
+    if code != 0 or len(marks) < 3:
+        raise RuntimeError(f"{module}.py {' '.join(map(str, flags))}: the recording run exited {code}")
+    calls = log[marks[-2]:marks[-1]]
+    if any(1 < c["size"] < ctx.comm.Get_size() for c in calls):
+        raise CannotRun("exchanges on sub-communicators are not replayed")
+    RECORDED[key] = [c for c in calls if c["size"] > 1]  # a communicator of one rank moves nothing
+    return RECORDED[key]
+
+
+def replay_buffers(calls):
+    """The buffers of a replay, made once: zeros of each call's dtype and sizes."""
+    def zeros(n, dtype):
+        return torch.zeros(n, dtype=getattr(torch, dtype))
+    out = []
+    for c in calls:
+        n, size = c["numel"], c["size"]
+        if c["kind"] == "allgather":
+            out.append((zeros(n // size, c["dtype"]), zeros(n, c["dtype"])))
+        elif c["kind"] == "reduce_scatter":
+            out.append((zeros(n, c["dtype"]), zeros(n // size, c["dtype"])))
+        elif c["kind"] == "alltoallv":
+            out.append((zeros(sum(c["counts"][0]), c["dtype"]), zeros(sum(c["counts"][1]), c["dtype"])))
+        elif c["kind"] == "alltoall":
+            out.append((zeros(n, c["dtype"]), zeros(n, c["dtype"])))
+        else:
+            out.append((zeros(n, c["dtype"]),))
+    return out
+
+
+def replay_mpi(comm, calls, buffers):
+    """The step's exchanges on MPI, each blocking collective back to back; the messages posted as
+    Isend/Irecv in their order and all waited for at the end (so no order can deadlock)."""
+    requests = []
+    for c, b in zip(calls, buffers):
+        kind = c["kind"]
+        if kind == "allreduce":
+            comm.Allreduce(MPI.IN_PLACE, b[0], op=MPI.SUM)
+        elif kind == "bcast":
+            comm.Bcast(b[0], root=c["root"])
+        elif kind == "allgather":
+            comm.Allgather(b[0], b[1])
+        elif kind == "reduce_scatter":
+            comm.Reduce_scatter_block(b[0], b[1], op=MPI.SUM)
+        elif kind == "alltoall":
+            comm.Alltoall(b[0], b[1])
+        elif kind == "alltoallv":
+            comm.Alltoallv([b[0], c["counts"][0]], [b[1], c["counts"][1]])
+        elif kind == "send":
+            requests.append(comm.Isend(b[0], dest=c["peer"], tag=c["tag"]))
+        else:
+            requests.append(comm.Irecv(b[0], source=c["peer"], tag=c["tag"]))
+    MPI.Request.Waitall(requests)
+
+
+def replay_gloo(calls, buffers):
+    """The same exchanges through torch.distributed on gloo, the peers' transport."""
+    requests = []
+    for c, b in zip(calls, buffers):
+        kind = c["kind"]
+        if kind == "allreduce":
+            dist.all_reduce(b[0])
+        elif kind == "bcast":
+            dist.broadcast(b[0], src=c["root"])
+        elif kind == "allgather":
+            dist.all_gather_single(b[1], b[0])
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_single(b[1], b[0])
+        elif kind == "alltoall":
+            dist.all_to_all_single(b[1], b[0])
+        elif kind == "alltoallv":
+            dist.all_to_all_single(b[1], b[0], c["counts"][1], c["counts"][0])
+        elif kind == "send":
+            requests.append(dist.isend(b[0], c["peer"], tag=c["tag"]))
+        else:
+            requests.append(dist.irecv(b[0], c["peer"], tag=c["tag"]))
+    for r in requests:
+        r.wait()
+
+
+def bytes_written():
+    """Bytes this process has handed to write() and writev(): gloo's sockets, on Linux (MPICH's
+    shared memory writes none); None where /proc/self/io is missing."""
+    try:
+        return next(int(line.split()[1]) for line in open("/proc/self/io") if line.startswith("wchar"))
+    except (OSError, StopIteration):
+        return None
+
+
+def bare_both(comm, calls, device, seconds=BARE_SECONDS):
+    """The calls replayed bare on MPI and on gloo, alternately, as many times as fit in about
+    `seconds` (at least 3 after one warm-up of each); per transport the slowest rank's median,
+    and the bytes gloo wrote per replay (mean over ranks)."""
+    buffers = replay_buffers(calls)
+    comm.Barrier()
+    began = time.perf_counter()
+    replay_mpi(comm, calls, buffers), replay_gloo(calls, buffers)  # warm-up: connections, pages
+    once = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
+    reps = max(3, min(200, int(seconds / max(once, 1e-6))))
+    times, written = {"mpi": [], "gloo": []}, []
+    for _ in range(reps):
+        comm.Barrier()
+        start = time.perf_counter()
+        replay_mpi(comm, calls, buffers)
+        times["mpi"].append(time.perf_counter() - start)
+        comm.Barrier()
+        start, before = time.perf_counter(), bytes_written()
+        replay_gloo(calls, buffers)
+        times["gloo"].append(time.perf_counter() - start)
+        after = bytes_written()
+        if before is not None and after is not None:
+            written.append(after - before)
+    medians = {k: max(comm.allgather(statistics.median(v))) for k, v in times.items()}
+    wrote = comm.allgather(statistics.median(written) if written else None)
+    return {"bare_mpi_s": medians["mpi"], "bare_gloo_s": medians["gloo"],
+            "gloo_bytes_written": None if None in wrote else sum(wrote) / len(wrote), "reps": reps}
+
+
+def kinds_summary(calls):
+    """{kind: [calls, bytes]} of one step on this rank; a message counted once, at its sender."""
+    out = {}
+    for c in calls:
+        if c["kind"] == "recv":
+            continue
+        n = sum(c["counts"][0]) if c["kind"] == "alltoallv" else c["numel"]
+        entry = out.setdefault(c["kind"], [0, 0])
+        entry[0] += 1
+        entry[1] += n * torch.empty((), dtype=getattr(torch, c["dtype"])).element_size()
+    return out
+
+
+def bare_step(module, *flags):
+    """The case of a strategy's bare exchanges: its steady step's collectives and messages, as it
+    hands them to MPI (recorded once per job), replayed bare on MPI and on gloo."""
+    def run(ctx):
+        if not (ROOT / f"{module}.py").is_file():
+            raise CannotRun(f"{module}.py is not in this checkout yet")
+        if ctx.device.type == "cuda":
+            raise CannotRun("bare replays are measured on the CPU only")
+        calls = record_step(ctx, module, flags)
+        kinds = collections.Counter()
+        for summary in ctx.comm.allgather(kinds_summary(calls)):  # bytes: the most any rank sends
+            for k, (n, b) in summary.items():
+                kinds[k] = max(kinds[k], b)
+        calls_per_kind = {k: max(s.get(k, [0])[0] for s in ctx.comm.allgather(kinds_summary(calls)))
+                          for k in kinds}
+        result = bare_both(ctx.comm, calls, ctx.device, ctx.args.bare_seconds)
+        return {**result, "kinds": {k: [calls_per_kind[k], kinds[k]] for k in sorted(kinds)}}
+    return run
+
+
+def bare_kind(kind, nbytes):
+    """One collective of `kind` on a float32 vector of nbytes (the whole vector: an all-gather's
+    output, a reduce-scatter's input), bare on MPI and on gloo; a message goes from each even rank
+    to the next rank."""
+    def run(ctx):
+        n, rank, size = nbytes // 4, ctx.comm.Get_rank(), ctx.comm.Get_size()
+        n -= n % size
+        entry = {"kind": kind, "size": size, "dtype": "float32", "numel": n}
+        if kind == "alltoallv":
+            entry["counts"] = [[n // size] * size] * 2
+        if kind == "bcast":
+            entry["root"] = 0
+        if kind == "sendrecv":  # ranks in pairs; an odd last rank sits out
+            pair = rank ^ 1
+            calls = [] if pair >= size else [{**entry, "kind": "send" if rank % 2 == 0 else "recv",
+                                              "peer": pair, "tag": 7}]
+        else:
+            calls = [entry]
+        return {**bare_both(ctx.comm, calls, ctx.device, ctx.args.bare_seconds), "bytes": n * 4}
+    return run
+
+
+TRANSPORT_BYTES = 1 << 20  # one size for every kind: between the toy models' vectors and the larger GPT's
+TRANSPORT_KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast", "alltoall", "alltoallv", "sendrecv")
+
+
+def transport_cases(ctx):
+    """Every kind of exchange the strategies use, at one size, bare on both transports; and the
+    steps of the strategies without a peer of their own (context and expert parallelism) replayed."""
+    n = ctx.comm.Get_size()
+    cases = [Case(f"{kind}, {TRANSPORT_BYTES / 2 ** 20:g} MiB", {"kind": "bare", "op": kind, "gloo": True},
+                  bare_kind(kind, TRANSPORT_BYTES)) for kind in TRANSPORT_KINDS]
+    return cases + [
+        Case("context_parallel.py (ring, zigzag): one step's exchanges",
+             {"kind": "bare", "strategy": "context_parallel", "gloo": True}, bare_step("context_parallel")),
+        Case(f"expert_parallel.py --ep {n}: one step's exchanges",
+             {"kind": "bare", "strategy": "expert_parallel", "gloo": True}, bare_step("expert_parallel", "--ep", n))]
+
+
+# -----------------------------------------------------------------------------
 # Data parallelism: data_parallel.py, PyTorch DDP on gloo, and the bare allreduce
 # -----------------------------------------------------------------------------
 def lenet_training(ctx, wrap):
@@ -161,14 +434,16 @@ def lenet_training(ctx, wrap):
 
 def ddp(ctx):
     """PyTorch DistributedDataParallel on gloo with its default 25 MB buckets, as
-    data_parallel.py's default, and no buffer broadcast: BatchNorm statistics stay per rank, as
-    in data_parallel.py (the replicas start from the same seed, so nothing needs syncing)."""
+    data_parallel.py's default, the gradients views into the buckets (gradient_as_bucket_view), and
+    no buffer broadcast: BatchNorm statistics stay per rank, as in data_parallel.py (the replicas
+    start from the same seed, so nothing needs syncing)."""
     from torch.nn.parallel import DistributedDataParallel
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     per_rank_bn = ({"forward_sync_buffers": False}
                    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                    else {"broadcast_buffers": False})
-    return lenet_training(ctx, lambda m: DistributedDataParallel(m, device_ids=ids, **per_rank_bn))
+    return lenet_training(ctx, lambda m: DistributedDataParallel(m, device_ids=ids, gradient_as_bucket_view=True,
+                                                                 **per_rank_bn))
 
 
 def no_exchange(ctx):
@@ -202,10 +477,16 @@ def gloo_allreduce(ctx):
     return {"step_time_s": seconds, "bytes": buf.numel() * buf.element_size()}
 
 
+def bare_of(case, module, *flags):
+    """The case of `case`'s bare exchanges: its step's collectives replayed on both transports."""
+    return Case(f"{case.label}: its step's exchanges bare", {"kind": "bare", "of": case.label, "gloo": True},
+                bare_step(module, *flags))
+
+
 def data_parallel_cases(ctx):
     small = ctx.args.small_bucket_mb
     dp = "data_parallel"
-    return [
+    cases = [
         Case("data_parallel.py", {"kind": "strategy", "strategy": dp, "variant": "default", "scaling": True},
              strategy(dp)),
         Case(f"data_parallel.py --bucket-mb {small:g}",
@@ -219,6 +500,8 @@ def data_parallel_cases(ctx):
         Case("bare gloo allreduce of the gradients", {"kind": "limit", "variant": "gloo", "gloo": True},
              gloo_allreduce),
     ]
+    return cases + [bare_of(cases[0], dp), bare_of(cases[1], dp, "--bucket-mb", small),
+                    bare_of(cases[2], dp, "--no-overlap")]
 
 
 # -----------------------------------------------------------------------------
@@ -233,7 +516,7 @@ TORCH_SCHEDULES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b",
 PEER_TIMEOUT = datetime.timedelta(seconds=20)  # a pipelining peer's sends and receives: a hang fails in this
 
 
-def torch_pipeline(schedule, m):
+def torch_pipeline(schedule, m, network=None):
     """torch.distributed.pipelining's schedule on gloo, with pipeline_parallel.py's stages (the
     same cut of the same model, built by its build_stage), batch, SGD and loss. Its sends and
     receives go through a group of their own with a short timeout: a schedule that hangs on gloo
@@ -241,7 +524,7 @@ def torch_pipeline(schedule, m):
     def run(ctx):
         from torch.distributed import pipelining
         pp = importlib.import_module("pipeline_parallel")
-        a = defaults("pipeline_parallel", ctx.comm.Get_size(), *PP_NETWORK)
+        a = defaults("pipeline_parallel", ctx.comm.Get_size(), *(PP_NETWORK if network is None else network))
         comm, device = ctx.comm, ctx.device
         rank, n = comm.Get_rank(), comm.Get_size()
         if ctx.device.type == "cuda":
@@ -326,6 +609,11 @@ def pipeline_cases(ctx):
     cases.append(Case("model_parallel.py",
                       {"kind": "strategy", "strategy": "model_parallel", "scaling": True},
                       strategy("model_parallel", *PP_NETWORK)))
+    for s in ("gpipe", "1f1b", "interleaved", "zbv"):  # the schedules that torch has too, at its M
+        compared = next((c for c in cases if c.tags.get("schedule") == s and c.tags["m"] == torch_m), None)
+        if compared:
+            flags = ("--virtual-stages", 2) if s == "interleaved" else ()
+            cases.append(bare_of(compared, pp, *PP_NETWORK, "--schedule", s, *flags, "--micro-batches", torch_m))
     for name, ours in TORCH_SCHEDULES.items():
         # The zero-bubble schedule of torch with two chunks per rank is not ours (zb-h1 has one).
         same = None if name == "ScheduleInterleavedZeroBubble" else ours
@@ -339,7 +627,7 @@ def pipeline_cases(ctx):
 # -----------------------------------------------------------------------------
 # Tensor parallelism: tensor_parallel.py and torch.distributed.tensor.parallel
 # -----------------------------------------------------------------------------
-def torch_tensor_parallel(sequence_parallel=False):
+def torch_tensor_parallel(sequence_parallel=False, network=()):
     """tensor_parallel.py's network and batch under PyTorch's tensor parallelism on gloo:
     ColwiseParallel for qkv and fc1, RowwiseParallel for proj and fc2, the vocabulary split in
     the embedding (RowwiseParallel) and the head (ColwiseParallel with loss_parallel), as
@@ -355,7 +643,7 @@ def torch_tensor_parallel(sequence_parallel=False):
                                                        loss_parallel, parallelize_module)
         tp = importlib.import_module("tensor_parallel")
         comm, device, n, rank = ctx.comm, ctx.device, ctx.comm.Get_size(), ctx.comm.Get_rank()
-        a = defaults("tensor_parallel", n)
+        a = defaults("tensor_parallel", n, *network)
         if a.heads % n or tp.VOCAB % n:
             raise CannotRun(f"{a.heads} heads and {tp.VOCAB} tokens do not split into {n} equal parts")
         if sequence_parallel and a.seq_len % n:
@@ -410,7 +698,7 @@ def torch_tensor_parallel(sequence_parallel=False):
 
 def tensor_cases(ctx):
     tp = "tensor_parallel"
-    return [Case(f"{tp}.py", {"kind": "strategy", "strategy": tp, "mode": "plain", "scaling": True},
+    cases = [Case(f"{tp}.py", {"kind": "strategy", "strategy": tp, "mode": "plain", "scaling": True},
                  strategy(tp, "--sample-chars", 0)),
             Case(f"{tp}.py --sequence-parallel", {"kind": "strategy", "strategy": tp, "mode": "sequence_parallel"},
                  strategy(tp, "--sample-chars", 0, "--sequence-parallel")),
@@ -421,6 +709,8 @@ def tensor_cases(ctx):
                  torch_tensor_parallel()),
             Case("torch.distributed.tensor.parallel with SequenceParallel",
                  {"kind": "peer", "mode": "sequence_parallel", "gloo": True}, torch_tensor_parallel(True))]
+    return cases + [bare_of(cases[0], tp, "--sample-chars", 0),
+                    bare_of(cases[1], tp, "--sample-chars", 0, "--sequence-parallel")]
 
 
 # -----------------------------------------------------------------------------
@@ -476,14 +766,14 @@ def counted_allreduce_hook(process_group, bucket):
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-def gpt_training(ctx, wrap, make_optimizer, local_state=lambda o: o.state, shards_parameters=False):
+def gpt_training(ctx, wrap, make_optimizer, local_state=lambda o: o.state, shards_parameters=False, network=()):
     """sharded_data_parallel.py's default training (its GPT from the seed, each rank's slice of
     every global batch, AdamW with its hyper-parameters) with the model wrapped by wrap(model) and
     the optimizer make_optimizer(parameters, **AdamW's settings). Its step time, the global losses,
     the collectives' bytes per step and the bytes a rank holds (the largest over ranks); with
     shards_parameters, also the peak of whole layers gathered at once."""
     sdp = importlib.import_module("sharded_data_parallel")
-    a, comm, device = defaults("sharded_data_parallel", ctx.comm.Get_size()), ctx.comm, ctx.device
+    a, comm, device = defaults("sharded_data_parallel", ctx.comm.Get_size(), *network), ctx.comm, ctx.device
     if device.type == "cuda":
         raise CannotRun("the ZeRO peers are measured on the CPU only")
     rank, n = comm.Get_rank(), comm.Get_size()
@@ -528,30 +818,35 @@ def gpt_training(ctx, wrap, make_optimizer, local_state=lambda o: o.state, shard
 
 
 def ddp_wrap(model):
-    """DistributedDataParallel on gloo, default 25 MB buckets (one bucket for this GPT)."""
+    """DistributedDataParallel on gloo, default 25 MB buckets (one bucket for the toy GPT), the
+    gradients views into the buckets (gradient_as_bucket_view: no copy in or out of them)."""
     from torch.nn.parallel import DistributedDataParallel
-    wrapped = DistributedDataParallel(model)
+    wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True)
     wrapped.register_comm_hook(None, counted_allreduce_hook)
     return wrapped
 
 
-def ddp_adamw(ctx):
+def ddp_adamw(network=()):
     """The unsharded baseline: DDP and a whole AdamW on every rank."""
-    return gpt_training(ctx, ddp_wrap, torch.optim.AdamW)
+    return lambda ctx: gpt_training(ctx, ddp_wrap, torch.optim.AdamW, network=network)
 
 
-def zero_redundancy(ctx):
+def zero_redundancy(network=()):
     """ZeRO stage 1 as PyTorch ships it: DDP allreduces the whole gradients, and
     ZeroRedundancyOptimizer steps AdamW on the parameters this rank owns (whole tensors, spread
-    over the ranks by size), then broadcasts them from their owners."""
+    over the ranks by size), then broadcasts them from their owners: with
+    parameters_as_bucket_view, one broadcast per owner of a flat bucket that the parameters view
+    (its default broadcasts them one tensor at a time)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     def make(parameters, **adamw):
-        return ZeroRedundancyOptimizer(parameters, optimizer_class=torch.optim.AdamW, **adamw)
-    return gpt_training(ctx, ddp_wrap, make, local_state=lambda o: o.optim.state)  # its local AdamW
+        return ZeroRedundancyOptimizer(parameters, optimizer_class=torch.optim.AdamW,
+                                       parameters_as_bucket_view=True, **adamw)
+    return lambda ctx: gpt_training(ctx, ddp_wrap, make, local_state=lambda o: o.optim.state,  # its local AdamW
+                                    network=network)
 
 
-def fsdp2(reshard_after_forward):
+def fsdp2(reshard_after_forward, network=()):
     """FSDP2's fully_shard on each layer of the GPT and on the GPT, on a CPU mesh over gloo:
     parameters, gradients and AdamW's state sharded (ZeRO stage 3); with reshard_after_forward
     False the layers stay whole from their forward to their backward (as ZeRO stage 2 holds them)."""
@@ -568,7 +863,7 @@ def fsdp2(reshard_after_forward):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
             return model
-        return gpt_training(ctx, wrap, torch.optim.AdamW, shards_parameters=True)
+        return gpt_training(ctx, wrap, torch.optim.AdamW, shards_parameters=True, network=network)
     return run
 
 
@@ -580,11 +875,12 @@ def zero_cases(ctx):
     cases += [Case(f"{sdp}.py --zero-stage {k} --no-overlap",
                    {"kind": "strategy", "strategy": sdp, "stage": k, "overlap": False},
                    strategy(sdp, "--zero-stage", k, "--no-overlap")) for k in (2, 3)]
+    cases += [bare_of(cases[k - 1], sdp, "--zero-stage", k) for k in (1, 2, 3)]
     return cases + [
         Case("PyTorch DDP + AdamW (gloo), unsharded", {"kind": "peer", "variant": "ddp", "stage": 0,
-                                                       "gloo": True}, ddp_adamw),
-        Case("ZeroRedundancyOptimizer(AdamW) + DDP (gloo), ZeRO-1",
-             {"kind": "peer", "variant": "zero_redundancy", "stage": 1, "gloo": True}, zero_redundancy),
+                                                       "gloo": True}, ddp_adamw()),
+        Case("ZeroRedundancyOptimizer(AdamW, parameters_as_bucket_view) + DDP (gloo), ZeRO-1",
+             {"kind": "peer", "variant": "zero_redundancy", "stage": 1, "gloo": True}, zero_redundancy()),
         Case("FSDP2 fully_shard, reshard_after_forward=False (gloo), ZeRO-2",
              {"kind": "peer", "variant": "fsdp2_no_reshard", "stage": 2, "gloo": True}, fsdp2(False)),
         Case("FSDP2 fully_shard (gloo), ZeRO-3",
@@ -742,6 +1038,48 @@ def expert_cases(ctx):
 
 
 # -----------------------------------------------------------------------------
+# A larger model: one row per strategy where compute, not the framework's overhead, decides
+# -----------------------------------------------------------------------------
+# The GPT of the scripts at 4 blocks x 256 hidden (3.2 million parameters, 16 times the default's
+# compute per token): the largest whose rounds fit the bench's time on 2 shared cores (the
+# 25-million-parameter GPT of sharded_data_parallel.py's memory runs takes about 9 s a step there).
+LARGE = ("--layers", 4, "--hidden", 256, "--heads", 4, "--seq-len", 32)
+LARGE_M = 4  # micro-batches of the pipeline rows
+
+
+def large_cases(ctx):
+    """Each strategy that has a peer, on the larger GPT, beside its peer configured as in its own
+    group, and the bare exchanges of its step. data_parallel.py trains only its LeNet, so data
+    parallelism is here as ZeRO's unsharded baseline (DDP + AdamW) against stage 1."""
+    tp, pp, sdp = "tensor_parallel", "pipeline_parallel", "sharded_data_parallel"
+    pairs = [
+        ("tp", Case(f"{tp}.py", {"kind": "strategy", "strategy": tp, "pair": "tp"},
+                    strategy(tp, *LARGE, "--sample-chars", 0)),
+         Case("torch.distributed.tensor.parallel", {"kind": "peer", "pair": "tp", "gloo": True},
+              torch_tensor_parallel(False, LARGE)), (tp, *LARGE, "--sample-chars", 0)),
+        ("pp", Case(f"{pp}.py --schedule 1f1b --micro-batches {LARGE_M}",
+                    {"kind": "strategy", "strategy": pp, "pair": "pp"},
+                    strategy(pp, *LARGE, "--schedule", "1f1b", "--micro-batches", LARGE_M)),
+         Case(f"torch.distributed.pipelining Schedule1F1B, M = {LARGE_M}", {"kind": "peer", "pair": "pp", "gloo": True},
+              torch_pipeline("Schedule1F1B", LARGE_M, LARGE)),
+         (pp, *LARGE, "--schedule", "1f1b", "--micro-batches", LARGE_M)),
+        ("zero1", Case(f"{sdp}.py --zero-stage 1", {"kind": "strategy", "strategy": sdp, "pair": "zero1"},
+                       strategy(sdp, *LARGE, "--zero-stage", 1)),
+         Case("ZeroRedundancyOptimizer(AdamW, parameters_as_bucket_view) + DDP (gloo)",
+              {"kind": "peer", "pair": "zero1", "gloo": True}, zero_redundancy(LARGE)),
+         (sdp, *LARGE, "--zero-stage", 1)),
+        ("zero3", Case(f"{sdp}.py --zero-stage 3", {"kind": "strategy", "strategy": sdp, "pair": "zero3"},
+                       strategy(sdp, *LARGE, "--zero-stage", 3)),
+         Case("FSDP2 fully_shard (gloo)", {"kind": "peer", "pair": "zero3", "gloo": True}, fsdp2(True, LARGE)),
+         (sdp, *LARGE, "--zero-stage", 3)),
+    ]
+    cases = [c for _, ours, peer, _ in pairs for c in (ours, peer)]
+    cases.append(Case("PyTorch DDP + AdamW (gloo), unsharded", {"kind": "peer", "pair": "ddp", "gloo": True},
+                      ddp_adamw(LARGE)))
+    return cases + [bare_of(ours, *flags) for _, ours, _, flags in pairs]
+
+
+# -----------------------------------------------------------------------------
 # Scaling: each strategy at N = 1, 2, 4 in one job, so that the sizes take turns too
 # -----------------------------------------------------------------------------
 def wait_quietly(comm):
@@ -794,7 +1132,8 @@ def scaling_cases(ctx):
 
 
 GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "zero": zero_cases,
-          "hybrid": hybrid_cases, "cp": context_cases, "ep": expert_cases, "scaling": scaling_cases}
+          "hybrid": hybrid_cases, "cp": context_cases, "ep": expert_cases, "scaling": scaling_cases,
+          "transport": transport_cases, "large": large_cases}
 CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel",
              "zero": "sharded_data_parallel", "hybrid": "hybrid_parallel", "cp": "context_parallel",
              "ep": "expert_parallel"}
@@ -823,7 +1162,7 @@ def combine(rounds):
     for key, value in first.items():
         if isinstance(value, float):
             first[key] = statistics.median(r[key] for r in rounds)
-    for key in ("step_time_s", "comm_s"):  # for ratios paired round by round
+    for key in ("step_time_s", "comm_s", "bare_mpi_s", "bare_gloo_s"):  # for ratios paired round by round
         if key in first:
             first[f"{key}_rounds"] = [r[key] for r in rounds]
     return first
@@ -831,6 +1170,8 @@ def combine(rounds):
 
 def config(group, world_size):
     """The network and batch of a group, as its strategy file's defaults set them."""
+    if group == "large":
+        return dict(zip(("layers", "hidden", "heads", "seq_len"), LARGE[1::2]))
     try:
         if group == "hybrid":  # its default grid (all data-parallel) does not split the batch at 8 ranks
             a = importlib.import_module(CONFIG_OF[group]).parse_args([str(f) for f in hybrid_grid(2, 2, 2)],
@@ -857,6 +1198,8 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3, help="at most this many runs of every case, taking turns")
     p.add_argument("--steps", type=int, default=20, help="steps per run")
     p.add_argument("--collective-reps", type=int, default=60, help="repetitions of a bare collective")
+    p.add_argument("--bare-seconds", type=float, default=BARE_SECONDS,
+                   help="a bare replay's time on both transports together (at least 3 replays each)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--check", action="store_true", help="run the strategies with --check")
     p.add_argument("--cases", choices=("all", "strategies", "peers"), default="all",

@@ -106,6 +106,52 @@ def test_the_hybrid_table_gives_each_grid_against_2x2x2_and_says_what_8_ranks_on
     assert "Hybrid, N = 8 †: hybrid_parallel.py --dp 8 is faster than the 2 × 2 × 2 grid: 0.55×" in text
 
 
+def bare(label, mpi, gloo, kinds):
+    """A strategy's step replayed bare: the rounds on MPI and on gloo, its exchanges by kind."""
+    return {"label": f"{label}: its step's exchanges bare", "tags": {"kind": "bare", "of": label},
+            "result": {"bare_mpi_s": sorted(mpi)[1], "bare_mpi_s_rounds": mpi, "bare_gloo_s": sorted(gloo)[1],
+                       "bare_gloo_s_rounds": gloo, "kinds": kinds}}
+
+
+def test_the_summary_sets_every_ratio_beside_the_bare_cost_of_its_exchanges_and_calls_ties_ties():
+    dp = runs([0.010, 0.0108, 0.0115])[0]  # ours 10, 11, 12 ms against DDP 10, 10.8, 11.5: within 3%
+    dp["result"]["cases"].append(bare("data_parallel.py", [0.0005, 0.0005, 0.0005], [0.0025, 0.0030, 0.0035],
+                                      {"allreduce": [1, 247960]}))
+    text = report.render(META, [dp])
+    summary = text.split("## Summary")[1].split("\n## ")[0]
+    # paired: 1.000, 1.019, 1.043 -> 1.02, ours faster in none of 3; a tie by the 3% rule.
+    # at gloo's cost: (10 + 2.5 - 0.5)/10, (11 + 3 - 0.5)/10.8, (12 + 3.5 - 0.5)/11.5 = 1.20, 1.25, 1.30
+    assert ("| data | 2 | data_parallel.py / DDP | 1.02× (1.00–1.04; faster in 0 of 3) | tie | 0.5 / 3.0 "
+            "| 1.25× (1.20–1.30; faster in 0 of 3) | PyTorch's faster |") in summary
+    section = text.split("## Data parallelism")[1].split("\n## ")[0]
+    assert "| 2 | data_parallel.py / DDP | allreduce 1 × = 247,960 B | 0.5 | 3.0 | 6.0× |" in section
+    assert "data_parallel.py and PyTorch DDP (gloo) take the same time (1.02×; median of 3 rounds, " \
+           "1.00 to 1.04); data_parallel.py faster in 0 of 3 rounds." in text
+    # one round is no verdict, however far from 1x
+    one = runs([0.020])[0]
+    one["result"]["cases"] = [dict(c, result={**c["result"], "step_time_s_rounds": c["result"]["step_time_s_rounds"][:1]})
+                              if "step_time_s_rounds" in c["result"] else c for c in one["result"]["cases"]]
+    text = report.render(META, [one])
+    assert "| data | 2 | data_parallel.py / DDP | 0.50× (faster in 1 of 1) | one round: no verdict |" in text
+    assert "data_parallel.py takes 0.50× the step time of PyTorch DDP (gloo) in the one round measured: no verdict." in text
+
+
+def test_the_transport_table_says_whether_gloos_reduce_scatter_moves_what_an_allreduce_moves():
+    def kind(op, mpi, gloo, written):
+        return {"label": f"{op}, 1 MiB", "tags": {"kind": "bare", "op": op},
+                "result": {"bare_mpi_s": mpi, "bare_mpi_s_rounds": [mpi], "bare_gloo_s": gloo,
+                           "bare_gloo_s_rounds": [gloo], "bytes": 1 << 20, "gloo_bytes_written": written}}
+    job = {"group": "transport", "ranks": 4, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 20, "rounds": 1, "cases": [kind("allreduce", 0.002, 0.010, 1.5 * 2 ** 20),
+                                            kind("reduce_scatter", 0.001, 0.012, 1.5 * 2 ** 20),
+                                            kind("allgather", 0.001, 0.006, 0.75 * 2 ** 20)]}}
+    text = report.render({**META, "missing": []}, [job])
+    assert "| 4 † | reduce_scatter, 1 MiB | 1,048,576 | 1.0 | 12.0 | 12.0× | 1.50 |" in text
+    assert ("gloo's reduce-scatter wrote 1.50× its vector per rank, its allreduce 1.50×, its all-gather 0.75× "
+            "(a ring reduce-scatter sends 0.75×, a ring allreduce 1.50×); it took 1.20× the allreduce's time, "
+            "paired by round. It moves what an allreduce moves") in text
+
+
 @pytest.mark.e2e
 def test_a_short_data_parallel_job_measures_every_case_and_ddp_trains_the_same_model():
     out = launch("bench/worker.py", 2, "dp", "--rounds", "1", "--steps", "3", "--collective-reps", "3")
@@ -114,6 +160,11 @@ def test_a_short_data_parallel_job_measures_every_case_and_ddp_trains_the_same_m
     assert all("error" not in r for r in cases.values()), json.dumps(cases)[:2000]
     ours, ddp = cases["data_parallel.py"]["losses"], cases["PyTorch DDP (gloo)"]["losses"]
     assert max(abs(a - b) for a, b in zip(ours, ddp)) < 1e-5
+    # the exchanges written down at the MPI call: one allreduce of the gradients (G bytes), or two buckets
+    grads = cases["bare MPI Allreduce of the gradients"]["bytes"]
+    assert cases["data_parallel.py: its step's exchanges bare"]["kinds"] == {"allreduce": [1, grads]}
+    assert cases["data_parallel.py --bucket-mb 0.05: its step's exchanges bare"]["kinds"] == {"allreduce": [2, grads]}
+    assert all(r["bare_mpi_s"] > 0 and r["bare_gloo_s"] > 0 for k, r in cases.items() if k.endswith("exchanges bare"))
 
 
 def zero_job():
@@ -165,8 +216,13 @@ def test_the_zero_table_pairs_each_stage_with_its_peer_and_sets_memory_beside_th
 def test_a_short_zero_job_gives_every_case_a_result_or_one_line_why():
     out = launch("bench/worker.py", 2, "zero", "--rounds", "1", "--steps", "2")
     cases = last_json(out)["groups"]["zero"]["cases"]
+    bare = {c["tags"]["of"]: c["result"] for c in cases if c["tags"]["kind"] == "bare"}
+    cases = [c for c in cases if c["tags"]["kind"] != "bare"]
     assert len(cases) == 9 and all(
         ("error" in c["result"]) != ("step_time_s" in c["result"]) for c in cases), json.dumps(cases)[:2000]
+    # each stage's exchanges as written down at the MPI call: the whole vectors the script counts itself
+    for c in cases[:3]:
+        assert sum(b for _, b in bare[c["label"]]["kinds"].values()) == c["result"]["comm_bytes_per_step"]
     assert all("\n" not in c["result"]["error"] for c in cases if "error" in c["result"])
     ours = [c["result"] for c in cases if c["tags"]["kind"] == "strategy"]
     assert [r["zero_stage"] for r in ours] == [1, 2, 3, 2, 3]  # stages 2 and 3 again with --no-overlap
@@ -444,3 +500,11 @@ def test_without_a_gpu_the_gpu_commands_say_so_in_one_line_each(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --gpu: torch sees no CUDA device")
     assert len(refused.stderr.splitlines()) == 1
+
+
+def test_groups_picks_the_jobs_of_the_mode_that_hold_them_and_an_unknown_group_is_one_line(capsys):
+    sys.path.insert(0, str(importlib.import_module("harness").ROOT / "bench"))
+    run = importlib.import_module("run")
+    assert run.main(["--groups", "large,nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: --groups: no group nope; the groups are dp, pp,")
+    assert [j.groups for j in run.plan("full") if "large" in j.groups] == [("large",)]
