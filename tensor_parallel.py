@@ -104,6 +104,14 @@ def mpi_buffer(t, nonblocking=False):
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
 
 
+def receive_buffer(t, nonblocking=False):
+    """Where MPI writes a result for t: t itself where MPI reads GPU memory, else an empty pinned
+    host buffer. Never a copy of t: MPI overwrites it, and the copy would cost a device transfer."""
+    if t.is_cuda and not (CUDA_AWARE and not nonblocking):
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return mpi_buffer(t, nonblocking)
+
+
 def from_mpi(t, buffer):
     """Bring what MPI wrote into a host copy back to t; returns t."""
     if buffer is not t:
@@ -126,7 +134,7 @@ def sequence_blocks(x, comm):
 def all_gather_sequence(x, comm):
     """Every rank's slice (B x T/N x ...) joined along the sequence in rank order, on every rank."""
     blocks = x.new_empty((comm.Get_size(), *x.shape))
-    send, receive = mpi_buffer(x.detach().contiguous()), mpi_buffer(blocks)
+    send, receive = mpi_buffer(x.detach().contiguous()), receive_buffer(blocks)
     comm.Allgather(send, receive)
     return from_mpi(blocks, receive).transpose(0, 1).flatten(1, 2)
 
@@ -135,7 +143,7 @@ def reduce_scatter_sequence(x, comm):
     """The sum over the ranks of x (B x T x ...), of which this rank keeps its T/N positions."""
     blocks = sequence_blocks(x, comm)
     total = blocks.new_empty(blocks.shape[1:])
-    send, receive = mpi_buffer(blocks), mpi_buffer(total)
+    send, receive = mpi_buffer(blocks), receive_buffer(total)
     comm.Reduce_scatter_block(send, receive, op=MPI.SUM)
     return from_mpi(total, receive)
 
@@ -168,7 +176,7 @@ def start_input_gradient_sum(partial, group):
     if group.sequence_parallel:
         send = mpi_buffer(sequence_blocks(partial, group.comm), nonblocking=True)
         total = partial.new_empty(send.shape[1:])
-        receive = mpi_buffer(total, nonblocking=True)
+        receive = receive_buffer(total, nonblocking=True)
         return total, receive, send, group.comm.Ireduce_scatter_block(send, receive, op=MPI.SUM)
     total = partial.contiguous()
     buffer = mpi_buffer(total, nonblocking=True)
@@ -788,38 +796,55 @@ def print0(comm, *lines, file=None):
 
 # --- Checkpoints: a folder appears whole or not at all; a signal stops at a step's end
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a batch system's time limit, or its warning
+STOPPED = 75  # the exit status of a run stopped by a signal (sysexits' EX_TEMPFAIL): requeue on it
 stop_requested = []  # the signals this rank received
 
 def checkpoint_if_due(comm, args, step, make_shard, config):
     """At the end of `step`: save when --save-every or the last step says so, or when any rank got
     SIGTERM or SIGUSR1 (the ranks agree on it here, so all stop after the same step); after a
-    signal's save, end the job with status 0. make_shard() gives this rank's shard (collective)."""
+    signal's save, end the job with status STOPPED. make_shard() gives this rank's shard (collective)."""
     stop = comm.allreduce(bool(stop_requested), op=MPI.LOR) and step + 1 < args.steps
     if args.save and (stop or step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
         save_checkpoint(comm, args.save, step + 1, make_shard(), config)
     if stop:
         print0(comm, f"stopped by a signal after step {step + 1} of {args.steps}: " +
                (f"checkpoint saved in {args.save}; rerun with --resume to continue" if args.save
-                else "nothing saved (no --save)"))
-        sys.exit(0)
+                else "nothing saved (no --save)") + f" (exit status {STOPPED})")
+        sys.exit(STOPPED)
 
 def checkpoints(root):
-    """The complete checkpoints in root, oldest first: step-NNNNNN folders with a manifest."""
-    names = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
-                   if n.startswith("step-") and os.path.isfile(os.path.join(root, n, "manifest.json")))
-    return [os.path.join(root, n) for n in names]
+    """The complete checkpoints in root (step-N folders with a manifest), oldest first, by number."""
+    names = [n for n in (os.listdir(root) if os.path.isdir(root) else []) if n[:5] == "step-" and n[5:].isdigit()
+             and os.path.isfile(os.path.join(root, n, "manifest.json"))]
+    return [os.path.join(root, n) for n in sorted(names, key=lambda n: int(n[5:]))]
+
+class HashingFile:  # torch.save streams a shard through it to the file: hashed, with no copy in memory
+    def __init__(self, stream):
+        self.stream, self.sha256, self.flush = stream, hashlib.sha256(), stream.flush
+
+    def write(self, data):
+        self.sha256.update(data)
+        return self.stream.write(data)
 
 def write_durably(path, data):
+    """Bytes, or what data(stream) writes, into path and on to the disk; returns their SHA-256."""
     with open(path, "wb") as stream:
-        stream.write(data)
+        hashing = HashingFile(stream)
+        data(hashing) if callable(data) else hashing.write(data)
         stream.flush()
         os.fsync(stream.fileno())
+    return hashing.sha256.hexdigest()
+
+def fsync_folder(path):  # the names a folder holds, made durable as its files' bytes are
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the
-    manifest and renames the folder to step-N: a job killed before the rename leaves the
-    previous checkpoint as it was. A write that fails on any rank (a full disk) ends the job on
-    every rank with one line, the previous checkpoint whole."""
+    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the manifest
+    and renames the folder to step-N (files and folder fsynced before, the parent after): a job
+    killed before the rename leaves the previous checkpoint as it was. A write that fails on any
+    rank (a full disk) ends the job on every rank with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
     files, error = {}, None
     if comm.Get_rank() == 0:
@@ -828,10 +853,9 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
     try:
         os.makedirs(tmp, exist_ok=True)
         if shard is not None:
-            name, stream = f"rank-{comm.Get_rank()}.pt", io.BytesIO()
-            torch.save(shard, stream)
-            write_durably(os.path.join(tmp, name), stream.getvalue())
-            files[name] = hashlib.sha256(stream.getvalue()).hexdigest()
+            name = f"rank-{comm.Get_rank()}.pt"
+            files[name] = write_durably(os.path.join(tmp, name), lambda stream: torch.save(shard, stream))
+            fsync_folder(tmp)  # this rank's file's name, from this node
     except OSError as e:
         error = f"rank {comm.Get_rank()}: {e}"
     gathered = comm.gather((files, error), root=0)
@@ -842,15 +866,18 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                 manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
                             "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
                 write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
+                fsync_folder(tmp)
                 shutil.rmtree(final, ignore_errors=True)
                 os.rename(tmp, final)  # atomic: the checkpoint is now complete
-                fd = os.open(root, os.O_RDONLY)
-                os.fsync(fd)  # make the rename itself durable
-                os.close(fd)
-                for old in checkpoints(root)[:-keep]:
-                    shutil.rmtree(old)
+                fsync_folder(root)  # make the rename itself durable
         except OSError as e:
             error = f"rank 0: {e}"
+        for old in checkpoints(root)[:-keep] if error is None else []:
+            try:  # renamed first: a deletion cut short never leaves a checkpoint that looks whole
+                os.rename(old, gone := os.path.join(root, ".old-" + os.path.basename(old)))
+                shutil.rmtree(gone)
+            except OSError as e:  # a full quota, a file held open on NFS: the new checkpoint is whole
+                print(f"warning: the old checkpoint {old} could not be deleted ({e}); going on", file=sys.stderr, flush=True)
     error = comm.bcast(error, root=0)
     if error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -859,42 +886,45 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
-    """The latest complete checkpoint's manifest and the shard this rank needs, verified; (None,
-    None) when root holds none yet (a batch job's first run), which rank 0 says. Any problem on
-    any rank is a ConfigError on every rank."""
-    error = manifest = shard = None
-    try:
-        found = checkpoints(root)
-        if not found:
-            print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
-            return None, None
-        path = found[-1]
-        with open(os.path.join(path, "manifest.json")) as stream:
-            manifest = json.load(stream)
-        if manifest["strategy"] != STRATEGY:
-            raise ConfigError(f"{path} was written by {manifest['strategy']}, not {STRATEGY}")
-        if manifest["step"] >= steps:
-            raise ConfigError(f"{path} is at step {manifest['step']}: --steps {steps} leaves nothing to "
-                              f"train; ask for more steps to continue")
-        if same_world_size and manifest["world_size"] != comm.Get_size():
-            raise ConfigError(f"{path} was written by {manifest['world_size']} ranks, this job has "
-                              f"{comm.Get_size()}; resume with mpirun -np {manifest['world_size']}")
-        if manifest["config"] != config:
-            raise ConfigError(f"{path} holds a model {manifest['config']}, these flags make {config}")
-        name = shard_name(manifest)
-        with open(os.path.join(path, name), "rb") as stream:
-            digest = hashlib.sha256(stream.read()).hexdigest()
-        if digest != manifest["files"][name]:
-            raise ConfigError(f"{path}/{name} is damaged: its SHA-256 differs from the manifest's")
-        shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
-    except ConfigError as e:
-        error = str(e)
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
-        error = f"cannot read the checkpoint in {root}: {type(e).__name__}: {e}"
-    errors = [e for e in comm.allgather(error) if e]
-    if errors:
-        raise ConfigError(errors[0])
-    return manifest, shard
+    """The newest checkpoint that is whole on every rank: its manifest and the shard this rank
+    needs, verified; (None, None) when root holds none yet (a batch job's first run). A damaged
+    or incomplete one (a node lost while saving) gives way to the one before, and rank 0 says
+    which and why; one that does not fit this run is a ConfigError on every rank."""
+    found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
+    if not found:
+        print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
+        return None, None
+    for path in reversed(found):
+        unfit = damage = manifest = shard = None
+        try:
+            with open(os.path.join(path, "manifest.json")) as stream:
+                manifest = json.load(stream)
+            unfit = next((why for wrong, why in [  # a checkpoint that cannot continue this run
+                (manifest["strategy"] != STRATEGY, f"{path} was written by {manifest['strategy']}, not {STRATEGY}"),
+                (manifest["step"] >= steps, f"{path} is at step {manifest['step']}: --steps {steps} leaves "
+                                            f"nothing to train; ask for more steps to continue"),
+                (same_world_size and manifest["world_size"] != comm.Get_size(), f"{path} was written by "
+                 f"{manifest['world_size']} ranks, this job has {comm.Get_size()}; resume with mpirun -np "
+                 f"{manifest['world_size']}"),
+                (manifest["config"] != config, f"{path} holds a model {manifest['config']}, these flags make {config}")]
+                          if wrong), None)
+            name = shard_name(manifest)
+            with open(os.path.join(path, name), "rb") as stream:
+                digest = hashlib.sha256(stream.read()).hexdigest()
+            if digest != manifest["files"][name]:
+                raise ValueError(f"{name}'s SHA-256 differs from the manifest's")
+            shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+        except (OSError, KeyError, ValueError, RuntimeError, EOFError) as e:
+            damage = f"{path} is damaged ({type(e).__name__}: {e})"
+        problems = comm.allgather((unfit, damage))
+        if any(u for u, _ in problems):
+            raise ConfigError(next(u for u, _ in problems if u))
+        if all(d is None for _, d in problems):
+            if damaged:
+                print0(comm, f"--resume: {'; '.join(damaged)}: resuming from {path}, the newest whole checkpoint")
+            return manifest, shard
+        damaged.append(next(d for _, d in problems if d))
+    raise ConfigError(f"no whole checkpoint in {root}: {'; '.join(damaged)}")
 
 # --- Counters, timeline and memory: measured around the strategy's own work ---
 class Timeline:
@@ -957,11 +987,14 @@ def started_within(events, exchange, compute):
     starts = [begin for name, _, begin, _ in events if name in names(exchange)]
     return [sum(any(lo <= s < hi for lo, hi in running) for s in starts), len(starts)]
 
+SLEEP_WHILE_WAITING = True  # setup() says: only when the node's ranks outnumber its cores
+
 class CountedComm:
     """The communicator the strategy is given: every call goes to mpi4py unchanged, and on the
     way the buffer methods are counted (calls, bytes of the first buffer, by name) and timed as
-    'comm' spans. Their requests' Wait polls with short sleeps (MPICH's Wait spins on the core of
-    a rank that computes): a point-to-point wait is the peer's lateness (idle), a collective's comm."""
+    'comm' spans. Their requests' Wait polls with short sleeps where ranks outnumber cores (MPICH's
+    Wait spins on the core of a rank that computes), else it is MPI's own, no naps to pace a GPU.
+    A point-to-point wait is the peer's lateness (idle), a collective's comm."""
 
     COUNTED = {"Allreduce", "Iallreduce", "Bcast", "Ibcast", "Send", "Recv", "Isend", "Irecv", "Sendrecv",
                "Allgather", "Iallgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
@@ -1000,8 +1033,9 @@ class CountedRequest:
 
     def Wait(self):
         with self.timeline.span(self.cat, self.name + " wait"):
-            while not self.request.Test():
+            while SLEEP_WHILE_WAITING and not self.request.Test():
                 time.sleep(POLL_S)
+            self.request.Wait()  # at once when the polls saw it done
 
 class PeakMemory:
     """The most memory this rank held while training, less what it held before the model was
@@ -1036,17 +1070,38 @@ def proc_status(key):
     return 0
 
 # --- Device and MPI setup -----------------------------------------------------
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+# The launchers' own variables: Open MPI, MPICH's hydra, MVAPICH, HPE Cray PALS, Flux, and Slurm's
+# last, since mpirun's ranks under srun (hydra's and Open MPI's daemons start there) inherit them.
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
+                        "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID", "SLURM_LOCALID")
+# How many ranks the launcher started: PMI (MPICH, srun --mpi=pmi2), Open MPI, MVAPICH; last, srun's
+# count of a step whose ranks it started itself (srun --mpi=pmix sets no size of PMIx's own).
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
 def launcher_local_rank():
-    """This rank's index on its node, as the launcher tells it (Open MPI, Slurm, MPICH, MVAPICH)."""
+    """This rank's index on its node, as the launcher tells it."""
     return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
 
+def check_one_job(world_size):
+    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused."""
+    told = next((v for v in WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), None)
+    if told and int(os.environ[told]) > 1 and world_size == 1:
+        raise ConfigError(f"the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would train "
+                          f"alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or rebuild mpi4py")
+
+def node_cores(node):
+    """The cores the ranks of this node may run on, together (their affinity, e.g. a Slurm cgroup)."""
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return len(set().union(*node.allgather(set(mine))))
+
 def start_mpi():
-    """Before MPI starts: give freed memory back to the system at once (glibc otherwise keeps
-    freed blocks of up to 32 MB, and the resident set would never fall), and choose this rank's
-    GPU, since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI
-    with threads: on a GPU, autograd calls MPI from a thread of its own."""
+    """Before MPI starts: catch the stop signals (one that comes before training, uncaught, would
+    kill the rank), give freed memory back to the system at once (glibc otherwise keeps freed
+    blocks of up to 32 MB, and the resident set would never fall), and choose this rank's GPU,
+    since some CUDA-aware MPIs open a context on the current GPU in MPI_Init. Then start MPI with
+    threads: on a GPU, autograd calls MPI from a thread of its own."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda number, frame: stop_requested.append(number))
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
     local, cpu = launcher_local_rank(), any(a in ("cpu", "--device=cpu") for a in sys.argv)
@@ -1056,14 +1111,19 @@ def start_mpi():
         MPI.Init_thread(getattr(MPI, "THREAD_" + mpi4py.rc.thread_level.upper()))
 
 def setup(comm, args):
-    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, the
-    signal handlers, and the header's facts."""
-    global CUDA_AWARE
+    """This rank's device, whether MPI reads its memory, the timeline, the memory meter, and the
+    header's facts."""
+    global CUDA_AWARE, SLEEP_WHILE_WAITING
+    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     launcher = launcher_local_rank()
-    gpus, cores = torch.cuda.device_count(), os.cpu_count() or 1
+    gpus, cores = torch.cuda.device_count(), node_cores(node)
+    SLEEP_WHILE_WAITING = local_size > cores  # a rank with a core of its own waits in MPI, no naps
     notes = [f"note: the launcher says local rank {launcher}, the node's ranks say {local_rank}"] if launcher not in (None, local_rank) else []
+    if args.check and args.steps * comm.Get_size() > 5000:
+        notes.append(f"note: --check retrains all {args.steps} steps in one process after the last, the work of "
+                     f"{comm.Get_size()} ranks on one; --no-check skips it (batch jobs)")
     if args.device == "cuda" or (args.device == "auto" and gpus):
         device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
@@ -1087,21 +1147,19 @@ def setup(comm, args):
         if local_size > cores:
             notes.append(f"note: {local_size} ranks share {cores} CPU cores, so ranks that could compute at once take turns")
     node.Free()
-    for s in STOP_SIGNALS:
-        signal.signal(s, lambda number, frame: stop_requested.append(number))
     comm.Barrier()  # the timeline's zero, about the same moment on every rank
     header = [f"{STRATEGY} | {comm.Get_size()} ranks | device {device.type} | {mpi_library()}",
               f"CUDA buffers: {transport}"] + notes
     return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies
-    is refused); else MPI 4.1's mpi_memory_alloc_kinds; else the library's MPIX_Query_cuda_support."""
+    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies is
+    refused); else MPI 4.1's mpi_memory_alloc_kinds if it lists cuda; else MPIX_Query_cuda_support."""
     try:
         kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
     except (MPI.Exception, NotImplementedError, AttributeError):
         kinds = None
-    says = cuda_in_kinds(kinds) if kinds is not None else mpix_query_cuda_support()
+    says = True if kinds is not None and cuda_in_kinds(kinds) else mpix_query_cuda_support()  # not listed: unknown
     forced = os.environ.get("MPI_CUDA_AWARE")
     if forced == "1" and says is False:
         raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
@@ -1145,6 +1203,10 @@ class ConfigError(Exception):
         super().__init__(message)
         self.status = status
 
+EXIT_STATUSES = (f"exit status: 0 trained (and the check passed); 1 the check failed, or a checkpoint could not be "
+                 f"written; 2 an impossible configuration; {STOPPED} stopped by SIGTERM or SIGUSR1 at a step's end "
+                 f"(saved with --save): requeue the job with --resume")
+
 class Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage on every rank."""
 
@@ -1155,6 +1217,13 @@ class Parser(argparse.ArgumentParser):
     def _print_message(self, message, file=None):
         if MPI.COMM_WORLD.Get_rank() == 0:  # --help once, not once per rank
             super()._print_message(message, file)
+
+class DefaultsFormatter(argparse.HelpFormatter):  # --help gives every flag's default
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: {({'True': 'on', 'False': 'off', 'None': 'none'}).get(str(action.default), action.default)})"
 
 def checked(kind, ok, must):
     """A type= for argparse: kind(text), refused unless ok(value): '--flag must be <must>, got ...'."""
@@ -1171,7 +1240,7 @@ COUNT_OR_0 = checked(int, lambda v: v >= 0, "0 or more")
 AMOUNT = checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
 
 def common_arguments(description, steps, batch_size, lr, log_every):
-    p = Parser(description=description)
+    p = Parser(description=description, formatter_class=DefaultsFormatter, epilog=EXIT_STATUSES)
     p.add_argument("--steps", type=COUNT, default=steps, help="optimizer steps")
     p.add_argument("--batch-size", type=COUNT, default=batch_size, help="global batch: samples per step, any world size")
     p.add_argument("--lr", type=AMOUNT, default=lr, help="learning rate")
@@ -1179,7 +1248,8 @@ def common_arguments(description, steps, batch_size, lr, log_every):
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--log-every", type=COUNT, default=log_every, help="rank 0 prints progress every N steps")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                   help="compare with single-process training (default: on)")
+                   help="compare with single-process training, which retrains every step in one process "
+                        "after the last (default: on; batch jobs: --no-check)")
     p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every rank")
     p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR, a folder every rank sees")
@@ -1213,7 +1283,12 @@ def check_paths(comm, args):
         error = f"cannot write {e.filename}: {e.strerror}"
     comm.Barrier()
     if args.save and error is None:  # a folder on a node-local disk hides the other nodes' probes
-        unseen = [r for r in range(comm.Get_size()) if not os.path.exists(os.path.join(args.save, f".probe-{r}"))]
+        # O(N) file system operations: rank 0 lists the folder once, every other rank looks for rank 0's
+        if rank == 0:
+            names = set(os.listdir(args.save))
+            unseen = [r for r in range(comm.Get_size()) if f".probe-{r}" not in names]
+        else:
+            unseen = [] if os.path.exists(os.path.join(args.save, ".probe-0")) else [0]
         error = unseen and (f"--save {args.save}: rank {rank} does not see the files of rank(s) "
                             f"{', '.join(map(str, unseen))}; checkpoints need a folder every rank shares")
     errors = [e for e in comm.allgather(error) if e]

@@ -16,7 +16,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [1, 2, 3, 4]  # the world sizes in-process tests cover, on sub-communicators
 LAUNCH_TIMEOUT = 180  # seconds; no launch may hang the suite
-MPI_ENV_PREFIXES = ("PMI_", "HYDRA_", "OMPI_", "PMIX_", "PRTE_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+# What an enclosing job's launcher gives each of its ranks (who it is, how to reach its launcher):
+# removed from a launch's environment. The user's MPI configuration stays (OMPI_MCA_*, PRTE_MCA_*,
+# PMIX_MCA_*, OMPI_ALLOW_RUN_AS_ROOT*, HYDRA_LAUNCHER, HYDRA_HOST_FILE, ...), so that a launch
+# runs as the user's own mpirun would.
+RANK_ENV_NAMES = {"PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMI_ID", "PMI_JOBID", "PMI_HOSTNAME",
+                  "PMI_SPAWNED", "PMI_APPNUM", "PMI_KVSNAME", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "HYDI_CONTROL_FD",
+                  "OMPI_UNIVERSE_SIZE", "OMPI_FILE_LOCATION", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS",
+                  "OMPI_NUM_APP_CTX", "OMPI_ARGV", "OMPI_COMMAND", "OMPI_MCA_ess", "OMPI_MCA_pmix",
+                  "OMPI_MCA_initial_wdir", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS",
+                  "PALS_RANKID", "PALS_LOCAL_RANKID", "FLUX_TASK_RANK", "FLUX_TASK_LOCAL_ID"}
+RANK_ENV_PREFIXES = ("OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess_base_", "MV2_COMM_WORLD_")
+
+
+def belongs_to_a_rank(name):
+    """PMIX_* but the user's PMIX_MCA_* settings: the PMIx server's address, namespace and rank."""
+    return (name in RANK_ENV_NAMES or name.startswith(RANK_ENV_PREFIXES)
+            or (name.startswith("PMIX_") and not name.startswith("PMIX_MCA_")))
 
 
 def world():
@@ -65,9 +81,9 @@ def max_everywhere(value, comm=None):
 
 
 def clean_env(**extra):
-    """This environment without the variables of the MPI job pytest may be running in, and
-    without GPUs: the suite runs on the CPU whatever the machine (GPU runs: bench/run.py --gpu)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)}
+    """This environment without what an enclosing MPI job gave its ranks (pytest itself may be
+    one), and without GPUs: the suite runs on the CPU whatever the machine (GPU runs: bench/run.py --gpu)."""
+    env = {k: v for k, v in os.environ.items() if not belongs_to_a_rank(k)}
     env.update({"CUDA_VISIBLE_DEVICES": "", **{k: str(v) for k, v in extra.items()}})
     return env
 

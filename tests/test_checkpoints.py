@@ -15,6 +15,8 @@ import torch
 
 from harness import assert_refused, clean_env, last_json, launch, ranks_of, start
 
+STOPPED = 75  # the exit status of a run stopped by a signal: the files' STOPPED, not 0, 1 or 2
+
 # Each script with small, quick arguments: (flags, world size, does it shard its checkpoint?)
 SCRIPTS = {
     "data_parallel.py": (["--batch-size", "24"], 4, False),
@@ -143,19 +145,38 @@ def test_data_parallel_resumed_at_another_world_size_passes_its_check(sync_bn, t
     assert resumed["check_max_abs_diff"] <= 2e-5
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("script", CLASSIC)
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_damaged_checkpoint_is_refused(script, finished, damage):
-    save = finished(script)
-    shard = sorted(latest(save).glob("*.pt"))[-1]
+def damage_shard(checkpoint, how):
+    shard = sorted(checkpoint.glob("*.pt"))[-1]
     data = bytearray(shard.read_bytes())
-    if damage == "flip":
+    if how == "flip":
         data[len(data) // 2] ^= 0xFF
     else:
         data = data[:len(data) // 3]
     shard.write_bytes(bytes(data))
-    assert_refused(run(script, save, "--resume", "--steps", STEPS + EVERY), "is damaged")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", CLASSIC)
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_checkpoints_are_refused_when_none_is_whole(script, finished, damage):
+    save = finished(script)
+    for checkpoint in (p for p in save.iterdir() if p.name.startswith("step-")):  # steps 8 and 12
+        damage_shard(checkpoint, damage)
+    line = assert_refused(run(script, save, "--resume", "--steps", STEPS + EVERY), "no whole checkpoint")
+    assert "step-000012 is damaged" in line and "step-000008 is damaged" in line
+
+
+@pytest.mark.e2e
+def test_a_damaged_latest_checkpoint_gives_way_to_the_one_before(finished, uninterrupted):
+    """Step 12's shard damaged: --resume says so, trains on from step 8, and steps 9 to 12 come
+    out as the uninterrupted run's, bit for bit."""
+    save = finished("data_parallel.py")
+    damage_shard(save / "step-000012", "flip")
+    result = run("data_parallel.py", save, "--resume", "--steps", STEPS + EVERY)
+    said = [line for line in result.stdout.splitlines() if line.startswith("--resume: ")]
+    assert len(said) == 1 and "step-000012 is damaged" in said[0], result.stdout
+    assert said[0].endswith("step-000008, the newest whole checkpoint"), said
+    assert last_json(result)["losses"][:STEPS] == uninterrupted("data_parallel.py")[0]["losses"]
 
 
 @pytest.mark.e2e
@@ -196,8 +217,9 @@ def test_resume_on_a_folder_without_a_checkpoint_starts_from_step_0(script, tmp_
 def test_sigterm_to_every_rank_saves_at_a_step_boundary_and_the_resumed_run_ends_as_the_whole(
         script, tmp_path, uninterrupted):
     """A batch system's time limit: SIGTERM to every rank mid-run. The ranks agree at the next
-    step boundary, save, say so in one line and exit 0 well within Slurm's 30 s; --resume then
-    reaches the uninterrupted run's losses and state bit for bit."""
+    step boundary, save, say so in one line and exit well within Slurm's 30 s, with STOPPED:
+    neither 0 (a finished run, never requeued) nor an error's; --resume then reaches the
+    uninterrupted run's losses and state bit for bit."""
     whole, whole_state, _ = uninterrupted(script)
     flags, world, _ = SCRIPTS[script]
     job = start(script, world, *flags, "--steps", STEPS, "--save-every", EVERY, "--save", tmp_path,
@@ -216,7 +238,7 @@ def test_sigterm_to_every_rank_saves_at_a_step_boundary_and_the_resumed_run_ends
     finally:
         job.kill()
     stop = [line for line in out.splitlines() if line.startswith("stopped by a signal after step")]
-    assert job.returncode == 0 and len(stop) == 1 and took < 30, (job.returncode, took, out, err)
+    assert job.returncode == STOPPED and len(stop) == 1 and took < 30, (job.returncode, took, out, err)
     step = int(stop[0].split("after step ")[1].split()[0])
     assert 2 <= step < STEPS and latest(tmp_path).name == f"step-{step:06d}", stop
     resumed = last_json(run(script, tmp_path, "--resume"))

@@ -5,7 +5,12 @@ The behaviour is tested on data_parallel.py's copy; test_the_machinery_is_word_f
 proves that every other file holds the same text."""
 import ast
 import gc
+import importlib
+import os
 import re
+import tracemalloc
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,7 +178,10 @@ def test_the_peak_memory_of_training_is_what_it_allocated_and_freed_memory_leave
     the free. The tensors are 4 MB because smaller ones may land in free memory the process
     already held, which no resident-set peak can see: 200 tensors of 400 KB measured 79.1 MB in a
     long pytest process. A small tensor after each keeps the heap's top from shrinking by itself."""
-    dp.start_mpi()  # MPI already runs here: this fixes the C library's mmap threshold only
+    handlers = {number: dp.signal.getsignal(number) for number in dp.STOP_SIGNALS}
+    dp.start_mpi()  # MPI already runs here: this fixes the C library's mmap threshold (and catches signals)
+    for number, handler in handlers.items():  # pytest's own again: a SIGTERM must still end the suite
+        dp.signal.signal(number, handler)
     gc.collect()  # earlier tests' garbage, freed inside the window, would lower the peak
     memory = dp.PeakMemory(CPU)
     freed = torch.ones(1_000_000)  # an adaptive threshold would rise to 4 MB when this is freed
@@ -195,4 +203,246 @@ def test_resume_on_an_empty_folder_returns_no_checkpoint(tmp_path_factory):
         if comm is not None:
             root = comm.bcast(str(tmp_path_factory.mktemp("empty")), root=0)
             ok = dp.load_checkpoint(comm, root, {}, lambda manifest: "rank-0.pt", 10) == (None, None)
+        assert agree(ok)
+
+
+# --- Batch jobs: the stop's status, --help, the launcher's word, waiting -------------------------
+def test_a_run_stopped_by_a_signal_exits_with_a_status_of_its_own(monkeypatch):
+    """Not 0 (a batch script would take it for a finished run and never requeue it), not 1 or 2."""
+    monkeypatch.setattr(dp, "stop_requested", [dp.signal.SIGTERM])
+    args = dp.argparse.Namespace(save=None, save_every=0, steps=10)
+    with pytest.raises(SystemExit) as stop:
+        dp.checkpoint_if_due(dp.MPI.COMM_SELF, args, 3, lambda: None, {})
+    assert stop.value.code == dp.STOPPED and dp.STOPPED not in (0, 1, 2)
+    assert f"{dp.STOPPED} stopped by SIGTERM or SIGUSR1" in dp.EXIT_STATUSES
+
+
+@pytest.mark.parametrize("script", PRESENT)
+def test_help_gives_every_flag_its_default_and_the_exit_statuses(script, monkeypatch):
+    module = importlib.import_module(script[:-3])
+    printed = []
+    monkeypatch.setattr(module.Parser, "_print_message", lambda self, message, file=None: printed.append(message))
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"], 4)
+    text = "".join(printed)
+    options = re.split(r"\n  (?=-)", text.split("options:", 1)[1].split("\n\n")[0])[1:]
+    undefaulted = [o.split()[0] for o in options if "default" not in o and not o.startswith("-h")]
+    assert len(options) > 10 and undefaulted == [], undefaulted
+    assert f"{module.STOPPED} stopped by SIGTERM" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("variables, world, refused", [
+    ({"PMI_SIZE": "4"}, 1, True),  # hydra started 4, mpi4py's MPI sees 1 each
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, 1, True),
+    ({"SLURM_STEP_NUM_TASKS": "4"}, 1, True),  # srun --mpi=none started 4 singletons
+    ({"PMI_SIZE": "1", "SLURM_STEP_NUM_TASKS": "4"}, 1, False),  # mpirun -np 1 inside a 4-task step
+    ({"PMI_SIZE": "2", "SLURM_STEP_NUM_TASKS": "4"}, 2, False),  # mpirun -np 2 inside a 4-task step
+    ({}, 1, False),  # python FILE.py, a singleton
+    ({"SLURM_NTASKS": "4"}, 1, False),  # python FILE.py in the batch script of a 4-task job
+])
+def test_n_one_rank_jobs_are_refused_and_a_smaller_mpirun_inside_an_allocation_is_not(
+        variables, world, refused, monkeypatch):
+    for name in (*dp.WORLD_SIZE_VARIABLES, "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    if refused:
+        with pytest.raises(dp.ConfigError) as refusal:
+            dp.check_one_job(world)
+        assert "the launcher started 4 ranks" in str(refusal.value)
+        assert "MPI sees a world of 1: each would train alone" in str(refusal.value)
+    else:
+        dp.check_one_job(world)
+
+
+@pytest.mark.parametrize("variables, local", [
+    ({"PALS_LOCAL_RANKID": "3"}, 3), ({"FLUX_TASK_LOCAL_ID": "2"}, 2), ({"MV2_COMM_WORLD_LOCAL_RANK": "1"}, 1),
+    ({"SLURM_LOCALID": "0", "MPI_LOCALRANKID": "2"}, 2),  # hydra's rank under a proxy that srun started
+    ({"SLURM_LOCALID": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}, 3), ({"SLURM_LOCALID": "1"}, 1), ({}, None),
+])
+def test_the_local_rank_comes_from_the_launcher_that_started_the_rank(variables, local, monkeypatch):
+    for name in dp.LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert dp.launcher_local_rank() == local
+
+
+@pytest.mark.parametrize("query, aware", [(True, True), (False, False), (None, False)])
+def test_memory_kinds_without_cuda_mean_unknown_and_the_next_probe_answers(query, aware, monkeypatch):
+    """Memory kinds list only what the launch asked for: 'mpi,system' says nothing of CUDA."""
+    monkeypatch.delenv("MPI_CUDA_AWARE", raising=False)
+    monkeypatch.setattr(dp, "mpix_query_cuda_support", lambda: query)
+    comm = types.SimpleNamespace(Get_info=lambda: types.SimpleNamespace(Get=lambda key: "mpi,system"))
+    assert dp.mpi_cuda_aware(comm) is aware
+
+
+class StubRequest:
+    """Done after `polls` Tests, or at once on Wait."""
+
+    def __init__(self, polls):
+        self.polls, self.waited = polls, False
+
+    def Test(self):
+        self.polls -= 1
+        return self.polls < 0
+
+    def Wait(self):
+        self.waited = True
+
+
+@pytest.mark.parametrize("oversubscribed", [True, False])
+def test_a_waiting_rank_naps_only_where_ranks_outnumber_cores(oversubscribed, monkeypatch):
+    naps = []
+    monkeypatch.setattr(dp, "SLEEP_WHILE_WAITING", oversubscribed)
+    monkeypatch.setattr(dp.time, "sleep", naps.append)
+    request = StubRequest(polls=3)
+    dp.CountedRequest(request, dp.Timeline(CPU), "idle", "Irecv").Wait()
+    assert naps == ([dp.POLL_S] * 3 if oversubscribed else []) and request.waited
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("cores, naps", [(1, True), (64, False)])
+def test_setup_counts_the_cores_of_the_node_s_ranks_together(cores, naps, monkeypatch):
+    """Two ranks on one node: each may run on `cores` cores (the same ones); they nap only on one."""
+    monkeypatch.setattr(dp.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    threads = torch.get_num_threads()
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            run = dp.setup(comm, dp.parse_args(["--device", "cpu", "--batch-size", "4"], 2))
+            ok = dp.SLEEP_WHILE_WAITING is naps and any("share 1 CPU cores" in n for n in run.header) is naps
+        torch.set_num_threads(threads)
+        dp.SLEEP_WHILE_WAITING = True
+        assert agree(ok)
+
+
+# --- Checkpoints on a shared file system ----------------------------------------------------------
+SHARD = {"weights": torch.arange(12.0)}
+
+
+def fake_checkpoint(root, step):
+    (root / f"step-{step:06d}").mkdir(parents=True)
+    (root / f"step-{step:06d}" / "manifest.json").write_text("{}")
+
+
+def test_checkpoints_sort_by_their_number_past_a_million_steps(tmp_path):
+    """step-1000000 sorts before step-999999 as text: the newest would be deleted as the oldest."""
+    for step in (5, 999_999, 1_000_000):
+        fake_checkpoint(tmp_path, step)
+    assert [p.rsplit("-", 1)[1] for p in dp.checkpoints(str(tmp_path))] == ["000005", "999999", "1000000"]
+    dp.save_checkpoint(dp.MPI.COMM_SELF, str(tmp_path), 1_000_001, SHARD, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1000000", "step-1000001"]
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_warns_and_the_save_goes_on(tmp_path, monkeypatch, capsys):
+    rmtree = dp.shutil.rmtree
+
+    def failing(path, *args, **kwargs):
+        if "step-000001" in str(path) and not kwargs.get("ignore_errors"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return rmtree(path, *args, **kwargs)
+    monkeypatch.setattr(dp.shutil, "rmtree", failing)
+    for step in (1, 2, 3):
+        dp.save_checkpoint(dp.MPI.COMM_SELF, str(tmp_path), step, SHARD, {})
+    assert [p.rsplit("-", 1)[1] for p in dp.checkpoints(str(tmp_path))] == ["000002", "000003"]
+    warning = capsys.readouterr().err
+    assert "warning: the old checkpoint" in warning and "Permission denied" in warning
+
+
+def test_a_checkpoint_s_files_and_folder_are_fsynced_before_the_rename_and_the_parent_after(tmp_path, monkeypatch):
+    events, fsync, rename = [], dp.os.fsync, dp.os.rename
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def recorded_rename(source, target):
+        events.append(("rename", str(source)))
+        return rename(source, target)
+    monkeypatch.setattr(dp.os, "fsync", recorded_fsync)
+    monkeypatch.setattr(dp.os, "rename", recorded_rename)
+    dp.save_checkpoint(dp.MPI.COMM_SELF, str(tmp_path), 7, SHARD, {})
+    tmp = str(tmp_path / ".tmp-step-000007")
+    synced = [path for kind, path in events[:events.index(("rename", tmp))] if kind == "fsync"]
+    assert {tmp + "/rank-0.pt", tmp + "/manifest.json", tmp} <= set(synced) and synced[-1] == tmp, events
+    assert ("fsync", str(tmp_path)) in events[events.index(("rename", tmp)):], events
+
+
+def test_a_shard_streams_to_its_file_without_a_serialised_copy_in_memory(tmp_path):
+    """Measured with tracemalloc (torch's tensors are not Python allocations; a serialised copy
+    in a BytesIO is): a 20 MB shard went through 20 MB of Python memory before, 0.04 MB now."""
+    shard = {"weights": torch.randn(5_000_000)}
+    tracemalloc.start()
+    try:
+        dp.save_checkpoint(dp.MPI.COMM_SELF, str(tmp_path), 1, shard, {})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    manifest, loaded = dp.load_checkpoint(dp.MPI.COMM_SELF, str(tmp_path), {}, lambda m: "rank-0.pt", 2)
+    assert peak < 2e6, peak
+    assert torch.equal(loaded["weights"], shard["weights"]) and manifest["step"] == 1
+
+
+def damage(path, how):
+    if how == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif how == "missing":
+        path.unlink()
+    else:  # a manifest cut short
+        manifest = path.parent / "manifest.json"
+        manifest.write_text(manifest.read_text()[:20])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["flip", "missing", "manifest"])
+def test_resume_passes_over_a_damaged_latest_checkpoint_for_the_newest_whole_one(how, tmp_path_factory, capsys):
+    """Rank 1's shard of step 2 damaged: both ranks resume from step 1, and rank 0 says why."""
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            root = Path(comm.bcast(str(tmp_path_factory.mktemp("damaged")), root=0))
+            for step in (1, 2):
+                dp.save_checkpoint(comm, str(root), step, {"step": torch.tensor(step), "rank": comm.Get_rank()}, {})
+            if comm.Get_rank() == 0:
+                damage(root / "step-000002" / "rank-1.pt", how)
+            comm.Barrier()
+            name = lambda manifest: f"rank-{comm.Get_rank()}.pt"
+            try:  # an exception here must fail the test on every rank, not leave the others waiting
+                manifest, shard = dp.load_checkpoint(comm, str(root), {}, name, 10)
+            except dp.ConfigError:
+                manifest, shard = {"step": None}, None
+            said = capsys.readouterr().out
+            ok = manifest["step"] == 1 and shard == {"step": torch.tensor(1), "rank": comm.Get_rank()}
+            ok = ok and (comm.Get_rank() != 0 or ("step-000002 is damaged" in said and "resuming from" in said
+                                                   and said.strip().endswith("step-000001, the newest whole checkpoint")))
+            if comm.Get_rank() == 0:
+                damage(root / "step-000001" / "rank-1.pt", how)
+            comm.Barrier()
+            try:
+                dp.load_checkpoint(comm, str(root), {}, name, 10)
+                ok = False
+            except dp.ConfigError as e:
+                ok = ok and str(e).startswith(f"no whole checkpoint in {root}: ") and "step-000001 is damaged" in str(e)
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+def test_the_write_probe_costs_o_n_file_system_operations(tmp_path_factory, monkeypatch):
+    """Each rank looked for every rank's probe: N^2 lookups, a storm on a parallel file system."""
+    looked, exists, listdir = [], dp.os.path.exists, dp.os.listdir
+
+    def counted_exists(path):
+        looked.extend([path] if ".probe" in str(path) else [])
+        return exists(path)
+    monkeypatch.setattr(dp.os.path, "exists", counted_exists)
+    monkeypatch.setattr(dp.os, "listdir", lambda path: looked.append(path) or listdir(path))
+    with sub_comm(4) as comm:
+        ok = True
+        if comm is not None:
+            folder = comm.bcast(str(tmp_path_factory.mktemp("probe")), root=0)
+            dp.check_paths(comm, dp.parse_args(["--save", folder, "--batch-size", "4"], 4))
+            ok = len(looked) == 1
         assert agree(ok)

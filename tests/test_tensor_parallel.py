@@ -217,6 +217,35 @@ def test_g_all_gathers_forward_and_reduce_scatters_backward_in_the_column_parall
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 3])
+def test_staged_gathers_receive_into_empty_host_buffers_never_into_copies_of_the_device_tensor(size, monkeypatch):
+    """A GPU with an MPI that cannot read its memory: what MPI sends is copied to the host, what it
+    receives lands in a fresh host buffer (here full of NaN: MPI must overwrite every element). A
+    receive buffer made by copying the device tensor first would cost a transfer for nothing:
+    mpi_buffer, the copy, is handed the sent tensors alone, one per exchange."""
+    copied, fresh = [], []
+    monkeypatch.setattr(tp, "mpi_buffer", lambda t, nonblocking=False: copied.append(t) or t.detach().clone())
+    monkeypatch.setattr(tp, "receive_buffer", lambda t, nonblocking=False: fresh.append(t) or torch.full_like(t, math.nan))
+
+    def body(comm):
+        rank, group = comm.Get_rank(), group_of(comm, sequence_parallel=True)
+        weight, bias, x_whole = integers(4 * size, 5, seed=1), integers(4 * size, seed=2), integers(2, 3 * size, 5)
+        column = tp.ColumnParallelLinear(weight, bias, group)
+        x = positions(x_whole, comm).clone().requires_grad_()
+        y = column(x)  # g: all-gather forward, reduce-scatter (non-blocking) backward
+        z = tp.ReduceFromTensorParallel.apply(y @ integers(4, 6 * size, seed=3), group)  # ḡ: reduce-scatter forward
+        upstream = [integers(2, 3, 6 * size, seed=10 + r) for r in range(size)]
+        z.backward(upstream[rank])  # ḡ backward: an all-gather
+        exchanges = sum(group.comm.calls.values())
+        return {"finite": bool(torch.isfinite(z).all() and torch.isfinite(x.grad).all()),
+                "forward": torch.equal(y, F.linear(x_whole, mine(weight, 0, comm), mine(bias, 0, comm))),
+                "one copy per exchange, of what is sent": len(copied) == exchanges == 4,
+                "every receive a fresh buffer": len(fresh) == exchanges and not any(
+                    any(f is c for c in copied) for f in fresh)}
+    assert not failures_on(size, body)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 def test_the_embedding_reduce_scatters_and_adds_positions_at_their_global_offsets(size):
     """Sequence parallelism's embedding on integers, bitwise: this rank's positions of the token
