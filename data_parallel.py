@@ -34,7 +34,9 @@ non-blocking collective forward only while the process is inside an MPI call, so
 (Test) every pending bucket; MPIR_CVAR_ASYNC_PROGRESS=1 gives MPICH a progress thread instead,
 which pays off only with a spare core per rank. With the default 25 MB buckets this small network
 is a single bucket, which can only start after the last gradient: pass a smaller --bucket-mb to
-see overlap (the README's Results say how much of it this machine's MPI delivered).
+see overlap (the README's Results say how much of it this machine's MPI delivered). The run counts
+a bucket as overlapped only if its allreduce was posted before backward computed a later gradient,
+so the last bucket never counts and the default prints 0/1.
 
 BatchNorm: by default each rank normalizes with the statistics of its own slice (per-GPU BN, as
 in Goyal et al. 2017), so N ranks train like one process that runs the N slices one after another
@@ -111,9 +113,16 @@ class GradBuckets:
         # --accum-steps (the earlier ones only accumulate); ready: gradients in, per bucket;
         # pending: the buckets whose allreduce has started, with their buffers and requests.
         self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
-        if overlap:
-            for p in self.bucket_of:
+        # The report's marks, not the strategy's: how many gradients backward has computed
+        # (a hook of its own, first on each parameter), and that number as each allreduce was posted.
+        self.computed, self.posted_at = 0, []
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._computed)
+            if overlap:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _computed(self, p):
+        self.computed += self.exchanging
 
     def _grad_ready(self, p):
         if not self.exchanging:  # an accumulation micro-step: gradients just add up
@@ -125,6 +134,7 @@ class GradBuckets:
             buffer = mpi_buffer(flat, nonblocking=True)
             request = self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
             self.pending.append((i, flat, buffer, request))
+            self.posted_at.append(self.computed)
         for *_, request in self.pending:
             request.Test()  # MPICH moves a non-blocking collective forward only inside MPI calls
 
@@ -133,6 +143,7 @@ class GradBuckets:
         function because the exchange starts inside it, from the hooks: reduce() opens the
         exchange before it and completes every bucket after it."""
         self.exchanging, self.ready, self.pending = True, [0] * len(self.buckets), []
+        self.computed, self.posted_at = 0, []
         backward()
         self.exchanging = False
         if not self.overlap:  # the baseline: one blocking allreduce of all gradients
@@ -140,6 +151,7 @@ class GradBuckets:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             buffer = mpi_buffer(flat)
             self.comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+            self.posted_at.append(self.computed)
             self._unflatten(params, from_mpi(flat, buffer))
             return
         assert len(self.pending) == len(self.buckets), "a gradient never arrived"
@@ -548,13 +560,18 @@ def report(comm, args, run, model, buckets, losses, records, counted, diff):
            f"(G = {grad_bytes:,}); a ring moves 2(N-1)/N x G = {ring:,.0f} bytes per rank"
            + (f" | sync-BN: {calls['syncbn']:g} allreduces, {volume['syncbn']:,.0f} bytes/step"
               if args.sync_bn else "")]
-    # a bucket's exchange hides behind backward only if it starts while backward still runs
-    started = started_within(run.timeline.step_events, "Iallreduce", "backward")[0]
-    overlap = {"buckets_started_in_backward": [started, 1 if args.no_overlap else len(buckets.buckets)]}
+    overlap = {"buckets_posted_before_later_gradients": posted_in_time(buckets)}
     return finish(comm, args, run, losses, records, diff, "losses, parameters, buffers", lines, {
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "accuracy": acc, "grad_bytes": grad_bytes, "ring_bytes_per_rank": ring,
         "buckets": len(buckets.buckets), "overlap": overlap, "sync_bn": args.sync_bn})
+
+def posted_in_time(buckets):
+    """[n, total] in the last step: of the gradient allreduces, how many were posted before
+    backward computed some later gradient, so that backward had work left to hide them behind.
+    From GradBuckets' marks, as the step ran: the last bucket closes with the last gradient and
+    never counts, nor does --no-overlap's one allreduce after backward."""
+    return [sum(mark < buckets.computed for mark in buckets.posted_at), len(buckets.posted_at)]
 
 def parse_args(argv, world_size):
     p = common_arguments("Data parallelism over MPI: a LeNet with BatchNorm on synthetic images.",

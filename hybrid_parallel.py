@@ -454,13 +454,21 @@ class GradBuckets:
             size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
         self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
+        # The report's marks, not the strategy's: how many gradients the last backward has computed
+        # (a hook of its own, first on each parameter), and that number as each allreduce was posted.
+        self.computed, self.posted_at = 0, []
         if comm.Get_size() > 1:
             for p in self.bucket_of:
+                p.register_post_accumulate_grad_hook(self._computed)
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def start(self):
         """Before the last backward of the step: exchange each bucket when it is complete."""
         self.exchanging, self.ready, self.pending = True, [0] * len(self.buckets), []
+        self.computed, self.posted_at = 0, []
+
+    def _computed(self, p):
+        self.computed += self.exchanging
 
     def _grad_ready(self, p):
         if not self.exchanging:  # an earlier micro-batch: gradients just add up
@@ -471,6 +479,7 @@ class GradBuckets:
             flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
             buffer = mpi_buffer(flat, nonblocking=True)
             self.pending.append((i, flat, buffer, self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)))
+            self.posted_at.append(self.computed)
         for *_, request in self.pending:
             request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
 
@@ -813,12 +822,13 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
         "messages_per_step": measured["pipeline"][1],
         "formula_by_axis": {a: dict(zip(("collectives", "messages", "bytes"), v)) for a, v in formula.items()},
         "bubble_fraction": bubble, "bubble_fraction_theory": theory, "bubble_fraction_dry_run": 1 - 2 * M / slots,
-        "overlap": overlap_counts(comm, run.timeline.step_events, M)})
+        "overlap": overlap_counts(comm, run.timeline.step_events, M, buckets)})
 
-def overlap_counts(comm, events, m):
+def overlap_counts(comm, events, m, buckets):
     """The overlaps the lesson claims, in the step of `events` (a rank's timeline), summed over the
-    grid as [n, total]. buckets_started_in_backward: the data axis's bucket allreduces that began
-    inside a backward (all of them: each starts in the step's last backward). A pipeline send is in
+    grid as [n, total]. buckets_posted_before_later_gradients: the data axis's bucket allreduces
+    posted before the last backward computed some later gradient, from GradBuckets' marks as the
+    step ran (a stage's last bucket closes with its last gradient and never counts). A pipeline send is in
     flight from its Isend until the rank next blocks in a Wait on a send (Test, which never
     blocks, does not end it); sends_in_flight_during_compute: the sends in whose flight a forward
     or a backward began, that is, the rank computed instead of waiting. The schedule decides this
@@ -828,8 +838,8 @@ def overlap_counts(comm, events, m):
     waits = sorted(b for name, _, b, _ in events if name == "Isend wait") + [math.inf]
     flights = [(b, next(w for w in waits if w >= b)) for name, _, b, _ in events if name == "Isend"]
     sends = [sum(any(lo <= c < hi for c in compute) for lo, hi in flights), len(flights)]
-    buckets = started_within(events, "Iallreduce", tuple(f"B{i}" for i in range(m)))
-    return {"buckets_started_in_backward": [comm.allreduce(v) for v in buckets],  # reporting: not counted
+    posted = [sum(mark < buckets.computed for mark in buckets.posted_at), len(buckets.posted_at)]
+    return {"buckets_posted_before_later_gradients": [comm.allreduce(v) for v in posted],  # reporting: not counted
             "sends_in_flight_during_compute": [comm.allreduce(v) for v in sends]}
 
 def per_axis(comm, counted, steps_run):

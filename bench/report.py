@@ -495,7 +495,7 @@ def overlap(meta, runs, cores):
               "gradients' allreduce of tensor and context parallelism). *Hidden*: 1 − with / without, paired "
               "round by round (0% or less: none hidden). *Step × without*: the whole step with overlap over "
               "the step with `--no-overlap`, paired by round. *Started in time*: the script's `overlap` "
-              "counts of the first round, [started while compute ran] / [all], with overlap (with "
+              "counts of the first round, [in time, as each count's name says] / [all], with overlap (with "
               "`--no-overlap`).", ""]
     head = ["N", "run (against --no-overlap)", "exposed exchange ms: with / without", "hidden (range)",
             "step × without (range)", "started in time: with (without)"]

@@ -60,18 +60,38 @@ def test_bucketed_allreduce_equals_the_mean_of_every_rank_gradients(size, overla
         assert agree(comm is None or buckets_made == 2)
 
 
+def post_buckets_after_backward(buckets):
+    """The overlap removed, as a planted regression: while backward runs no bucket ever looks
+    full, so the hooks post nothing; once it is over, every bucket is posted at once."""
+    reduce = buckets.reduce
+
+    def late_reduce(backward):
+        def backward_then_post():
+            buckets.ready = [-len(buckets.bucket_of)] * len(buckets.buckets)
+            backward()
+            buckets.ready = [0] * len(buckets.buckets)
+            for p in buckets.bucket_of:
+                buckets._grad_ready(p)
+        reduce(backward_then_post)
+    buckets.reduce = late_reduce
+
+
 @pytest.mark.mpi
-def test_a_full_bucket_is_posted_before_backward_computes_the_next_buckets_gradients():
+@pytest.mark.parametrize("remove_overlap", [False, True])
+def test_a_full_bucket_is_posted_before_backward_computes_the_next_buckets_gradients(remove_overlap):
     """The docstring's overlap as an order, at N = 2 with --bucket-mb 0.05 (two buckets): the
     first bucket's Iallreduce is posted before the first gradient of the second bucket is in,
     so backward still has work to hide it behind (the last bucket closes with the last gradient
-    and has none)."""
+    and has none). The run's count (posted_in_time) says 1 of 2; with post_buckets_after_backward
+    planted, the order fails and the count says 0 of 2."""
     with sub_comm(2) as comm:
         ok = True
         if comm is not None:
             args = dp.parse_args(["--steps", "1", "--batch-size", "8", "--bucket-mb", "0.05"], 2)
             timeline = dp.Timeline(CPU)
             model, optimizer, buckets = dp.replicate(args, dp.CountedComm(comm, timeline), CPU)
+            if remove_overlap:
+                post_buckets_after_backward(buckets)
             arrived = []  # when each of the second bucket's gradients was in, on the timeline's clock
             for p in buckets.buckets[1]:
                 p.register_post_accumulate_grad_hook(lambda p: arrived.append(time.perf_counter() - timeline.origin_s))
@@ -79,7 +99,9 @@ def test_a_full_bucket_is_posted_before_backward_computes_the_next_buckets_gradi
             dp.train_step(model, optimizer, buckets, images, labels, 1, timeline)
             timeline.step_record(0.0)
             posted = sorted(end for name, _, _, end in timeline.step_events if name == "Iallreduce")
-            ok = len(buckets.buckets) == 2 == len(posted) and posted[0] < min(arrived) < posted[1]
+            in_order = posted[0] < min(arrived) < posted[1]
+            ok = (len(buckets.buckets) == 2 == len(posted) and in_order == (not remove_overlap)
+                  and dp.posted_in_time(buckets) == [0 if remove_overlap else 1, 2])
         assert agree(ok)
 
 
@@ -305,7 +327,7 @@ def test_trace_is_chrome_trace_json_with_one_track_per_rank(tmp_path):
     path = tmp_path / "trace.json"
     result = launch("data_parallel.py", 3, "--steps", "3", "--no-check", "--batch-size", "24",
                     "--bucket-mb", "0.05", "--trace", path, "--json")
-    assert last_json(result)["overlap"] == {"buckets_started_in_backward": [2, 2]}  # counted by the run
+    assert last_json(result)["overlap"] == {"buckets_posted_before_later_gradients": [1, 2]}  # counted by the run
     events = json.loads(path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1, 2}
@@ -333,14 +355,14 @@ def test_a_nudged_parameter_makes_the_check_fail():
 
 
 @pytest.mark.e2e
-def test_without_overlap_no_bucket_starts_in_backward_and_staged_buffers_pass_the_check():
-    """The run's overlap count can fail: with --no-overlap the one allreduce starts after backward.
+def test_without_overlap_no_bucket_is_posted_before_a_later_gradient_and_staged_buffers_pass_the_check():
+    """The run's overlap count can fail: with --no-overlap the one allreduce is posted after backward.
     And the GPU's staging path run on the CPU (STAGE_ALL=1: every buffer handed to MPI is a host
     copy, so every copy back must happen and every buffer must live until its Wait) passes --check."""
     plain = last_json(launch("data_parallel.py", 2, "--steps", 3, "--batch-size", 16, "--no-overlap",
                              "--no-check", "--json"))
-    assert plain["overlap"] == {"buckets_started_in_backward": [0, 1]}
+    assert plain["overlap"] == {"buckets_posted_before_later_gradients": [0, 1]}
     staged = last_json(launch("data_parallel.py", 2, "--steps", 3, "--batch-size", 16, "--bucket-mb", 0.05,
                               "--sync-bn", "--json", env=clean_env(STAGE_ALL=1)))
     assert staged["check_max_abs_diff"] <= dp.TOLERANCE
-    assert staged["overlap"] == {"buckets_started_in_backward": [2, 2]}
+    assert staged["overlap"] == {"buckets_posted_before_later_gradients": [1, 2]}

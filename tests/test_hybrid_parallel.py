@@ -192,7 +192,7 @@ def train_on(comm, pp, dp, tp, extra=(), remove_overlap=False):
     if remove_overlap:
         start_buckets_after_backward(buckets)
     losses, _ = hp.train(args, comm, counted, CPU, stage, optimizer, buckets, lists[comm.Get_rank()], timeline)
-    overlap = hp.overlap_counts(comm, timeline.step_events, args.micro_batches)
+    overlap = hp.overlap_counts(comm, timeline.step_events, args.micro_batches, buckets)
     measured = hp.per_axis(comm, counted, args.steps)
     formula = hp.formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
                           comm.allgather(len(buckets.buckets)))
@@ -203,10 +203,11 @@ def train_on(comm, pp, dp, tp, extra=(), remove_overlap=False):
 
 
 def promised_overlap(pp, dp, tp, m, buckets):
-    """What the lesson promises: every bucket's allreduce starts in the last backward; 1F1B computes
-    after every send but those that follow a stage's last backward: (2M - 1)(P - 1) of 2M(P - 1)
-    sends per pipeline, D x T pipelines."""
-    return {"buckets_started_in_backward": [sum(buckets) * (dp > 1)] * 2,
+    """What the lesson promises: in the last backward, every bucket's allreduce but a stage's last
+    is posted before backward computes a later gradient; 1F1B computes after every send but those
+    that follow a stage's last backward: (2M - 1)(P - 1) of 2M(P - 1) sends per pipeline, D x T
+    pipelines."""
+    return {"buckets_posted_before_later_gradients": [sum(b - 1 for b in buckets) * (dp > 1), sum(buckets) * (dp > 1)],
             "sends_in_flight_during_compute": [(2 * m - 1) * (pp - 1) * dp * tp, 2 * m * (pp - 1) * dp * tp]}
 
 
@@ -246,32 +247,32 @@ def test_every_grid_of_one_and_two_trains_like_one_process(pp, dp, tp):
 @pytest.mark.mpi
 def test_small_buckets_give_one_allreduce_per_bucket():
     with sub_comm(4) as comm:
-        if comm is not None:  # 2 KB buckets: several per rank, each one allreduce, each started in backward
+        if comm is not None:  # 2 KB buckets: several per rank, each one allreduce, all but the last posted before a later gradient
             assert_trains_like_one_process(comm, 2, 2, 1, ["--bucket-mb", str(2 / 1024)])
 
 
 @pytest.mark.mpi
 def test_the_overlap_counts_fall_when_the_overlap_is_removed():
     """The planted regression of watch_sends and start_buckets_after_backward: the same losses, but
-    no bucket starts in backward and no send stays in flight while the rank computes."""
+    no bucket is posted before a later gradient and no send stays in flight while the rank computes."""
     with sub_comm(4) as comm:
         if comm is not None:
             _, diff, *_, overlap, _, buckets = train_on(comm, 2, 2, 1, ["--bucket-mb", str(2 / 1024)],
                                                         remove_overlap=True)
             assert max_everywhere(diff, comm) <= hp.TOLERANCE
             promised = promised_overlap(2, 2, 1, 2, buckets)
-            assert promised["buckets_started_in_backward"][0] >= 8 and promised["sends_in_flight_during_compute"][0] == 6
-            assert agree(overlap == {"buckets_started_in_backward": [0, sum(buckets)],
+            assert promised["buckets_posted_before_later_gradients"][0] >= 4 and promised["sends_in_flight_during_compute"][0] == 6
+            assert agree(overlap == {"buckets_posted_before_later_gradients": [0, sum(buckets)],
                                      "sends_in_flight_during_compute": [0, 8]}, comm), overlap
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("remove_overlap", [False, True])
 def test_a_full_bucket_is_posted_before_the_last_backward_computes_the_next_buckets_gradients(remove_overlap):
-    """The buckets' overlap as an order (the count above asks only for a start inside a backward's
-    span), at D = 2 with 2 KB buckets: in the step's last backward, each bucket's allreduce is
-    posted before the first gradient of the next bucket is in, so backward still has work to hide
-    it behind; with start_buckets_after_backward planted, none is."""
+    """The buckets' overlap as an order, on the timeline's clock, at D = 2 with 2 KB buckets: in the
+    step's last backward, each bucket's allreduce is posted before the first gradient of the next
+    bucket is in, so backward still has work to hide it behind; with start_buckets_after_backward
+    planted, none is. The run's count, from GradBuckets' marks, says the same: n - 1 of n, or 0."""
     with sub_comm(2) as comm:
         ok = True
         if comm is not None:
@@ -302,7 +303,9 @@ def test_a_full_bucket_is_posted_before_the_last_backward_computes_the_next_buck
             first = [min(t for t in arrivals[k] if t > last) for k in range(len(buckets.buckets))]
             n = len(buckets.buckets)  # of the last backward: the first gradient of each bucket
             in_order = [posted[k] < first[k + 1] for k in range(n - 1)]
-            ok = n >= 4 and [i for i, *_ in buckets.pending] == list(range(n)) and in_order == [not remove_overlap] * (n - 1)
+            count = hp.overlap_counts(comm, timeline.step_events, args.micro_batches, buckets)
+            ok = n >= 4 and [i for i, *_ in buckets.pending] == list(range(n)) and in_order == [not remove_overlap] * (n - 1) \
+                and count["buckets_posted_before_later_gradients"] == [0 if remove_overlap else 2 * (n - 1), 2 * n]
         assert agree(ok)
 
 
