@@ -125,6 +125,18 @@ def route(tokens, router, top_k):
     return probs, order[:, :top_k], ranked[:, :top_k], (ranked[:, top_k - 1] - ranked[:, top_k]).min()
 
 
+def load_balancing_loss(probs, choice, num_experts, coef, comm):
+    """Switch's alpha E sum_i f_i P_i, f the shares of all ranks' (token, choice) pairs (one Allreduce
+    of E counts), P from this rank's tokens. Returns the loss and all ranks' counts (the load)."""
+    counts = torch.bincount(choice.reshape(-1), minlength=num_experts)
+    if comm is not None:
+        buffer = mpi_buffer(counts)
+        comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+        from_mpi(counts, buffer)
+    share = counts / counts.sum()  # f_i: no gradient flows through a count
+    return coef * num_experts * (share * probs.mean(dim=0)).sum(), counts
+
+
 def expert_capacity(capacity_factor, top_k, n, num_experts):
     """ceil(C k n / E) pairs per expert from one rank's n tokens, exactly (C as the decimal the user
     wrote, not as its float); None (dropless) without a capacity factor."""
@@ -141,18 +153,6 @@ def within_capacity(choice, num_experts, capacity):
     pairs = choice.reshape(-1)  # token t's choice c is pair t k + c
     before = F.one_hot(pairs, num_experts).cumsum(0).gather(1, pairs.unsqueeze(1)).squeeze(1) - 1
     return (before < capacity).view_as(choice)  # before: the earlier pairs for the same expert
-
-
-def load_balancing_loss(probs, choice, num_experts, coef, comm):
-    """Switch's alpha E sum_i f_i P_i, f from the choices of all ranks (one Allreduce of E counts),
-    P from this rank's tokens. Returns the loss and the counts of all ranks (the load)."""
-    counts = torch.bincount(choice.reshape(-1), minlength=num_experts)
-    if comm is not None:
-        buffer = mpi_buffer(counts)
-        comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-        from_mpi(counts, buffer)
-    share = counts / counts.sum()  # f_i: no gradient flows through a count
-    return coef * num_experts * (share * probs.mean(dim=0)).sum(), counts
 
 
 def all_to_all(rows, send_rows, recv_rows, comm):
