@@ -321,8 +321,8 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.aux_coef, self.capacity_factor = num_experts, top_k, aux_coef, capacity_factor
         self.ep_comm = self.stats_comm = None
         self.aux = self.load = None  # the last forward's load-balancing loss and choices per expert
-        # For the report and --check, not the strategy: the last forward's choices, the first's load,
-        # the pairs dropped over the run and the router's smallest gap (route()'s last value).
+        # For the report and --check, not the strategy: the last forward's choices, the first
+        # forward's load, and over the run the pairs dropped and the router's smallest top-k gap.
         self.choice = self.first_load = None
         self.register_buffer("dropped", torch.tensor(0), persistent=False)
         self.register_buffer("min_gap", torch.tensor(math.inf), persistent=False)
@@ -338,6 +338,7 @@ class MoE(nn.Module):
         y = gate[:, 0] * outputs[:, 0]
         for c in range(1, self.top_k):  # the fixed order of the sum
             y = y + gate[:, c] * outputs[:, c]
+        # for the report and --check (see __init__)
         self.choice, self.first_load = choice, self.load if self.first_load is None else self.first_load
         self.dropped, self.min_gap = self.dropped + (~keep).sum(), torch.minimum(self.min_gap, gap.detach())
         return y.view_as(x)
