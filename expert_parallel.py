@@ -3,9 +3,10 @@ r"""Expert parallelism over MPI: a mixture of experts whose experts are spread o
 What is split: the experts. The MLP of every block is a mixture of E expert MLPs (--experts), and
 a router sends each token to k of them (--top-k 1 or 2), so the parameters grow with E while a
 token's compute stays that of k MLPs (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch,
-Fedus et al. 2021). Every rank is a data-parallel rank with its own B/N sequences of each batch;
---ep P groups P consecutive ranks that share the experts out, E/P each, and the N/P groups are
-replicas of one another. Attention, embeddings and routers are whole on every rank.
+Fedus et al. 2021). A batch is B sequences (--batch-size) of T characters; every one of the N
+ranks is a data-parallel rank with its own B/N of them. --ep P groups P consecutive ranks that
+share the experts out, E/P each, and the N/P groups are replicas of one another. The rest, the
+dense parameters (attention, embeddings, LayerNorms, routers), is whole on every rank.
 
   N = 4 ranks, --ep 2, E = 4:     group 0                     group 1
                             rank 0       rank 1         rank 2       rank 3
@@ -36,21 +37,28 @@ lowest expert index wins a tie, on every rank alike), the gates the chosen proba
 closer than rounding can flip between one process and N, and one token sent elsewhere moves the run
 by far more than rounding: the run prints the smallest gap between the k-th and (k+1)-th
 probability, and --check's one process follows the ranks' choices, its own preference for other
-experts held to the tolerance. Load balance (Switch): aux = alpha E sum_i f_i P_i, f_i the share of
-the (token, choice) pairs that chose expert i, P_i the mean router probability of expert i. f is
-counted over all N ranks' tokens (one Allreduce of E counts per layer): a mean of the ranks'
-products f_i P_i is not the product of the means. P needs no exchange: it is a mean over tokens,
-and the gradient allreduce takes the mean over the ranks. So every N and P train one loss.
+experts held to the tolerance. Load balance, Switch's form: aux = alpha E sum_i f_i P_i, f_i the
+share of the (token, choice) pairs that chose expert i (sum_i f_i = 1), P_i the mean router
+probability of expert i; balanced routing gives alpha, whatever k. Others normalise otherwise:
+GShard's paper takes the mean over experts, (1/E) sum_i f_i P_i with f counting first choices only
+(balanced: 1/E^2), and Mixtral's (as Hugging Face's transformers computes it) E sum_i F_i P_i with
+F_i the share of the tokens that chose i (sum_i F_i = k: k times this file's). f is counted over all
+N ranks' tokens (one Allreduce of E counts per layer): a mean of the ranks' products f_i P_i is not
+the product of the means. P needs no exchange: it is a mean over tokens, and the gradient allreduce
+takes the mean over the ranks. So every N and P train one loss.
 
 Capacity: dropless by default (Alltoallv carries any number of rows). --capacity-factor C lets an
-expert take at most ceil(C k n / E) pairs from each rank's n tokens, the first in token order; the
-others are dropped (the residual carries the token on) and counted.
+expert take at most ceil(C k n / E) pairs from each rank's n tokens, the first in token order (a
+token's choices in their order); the others are dropped (the residual carries the token on) and
+counted. C counts as the decimal written: 1.1 x 90 / 3 is 33 (in floats 33.00000000000001, whose
+ceiling is 34).
 
 Communication per step, L blocks, n = (B/N) T tokens per rank, hidden h, float32, on average per rank:
   Alltoallv: 4 per block (dispatch and combine, both again reversed in backward), 4 L k n h x 4
-             bytes without drops (a rank's own share depends on the routing; 1/P of it stays home)
+             bytes without drops, a rank's own rows included (those stay home: 1/P of them when
+             the routing is balanced, more or fewer as it leans to this rank's experts or away)
   Alltoall of the counts and Allreduce of the router's counts: L x E x 8 bytes each
-  Allreduce of the dense gradients (D parameters, all but the experts): 4 D bytes, over N ranks
+  Allreduce of the dense gradients (D parameters): 4 D bytes, over N ranks
   Allreduce of the expert gradients (X parameters an expert): 4 (E/P) L X bytes, over N/P ranks
 Memory: each rank holds (E/P) L X expert parameters and the D dense ones.
 
@@ -68,7 +76,9 @@ import argparse
 import collections
 import contextlib
 import ctypes
+import decimal
 import errno
+import fractions
 import hashlib
 import importlib.util
 import io
@@ -94,9 +104,9 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "expert_parallel"
-# Largest |difference| allowed against single-process training (float32). Measured: at most 9.5e-7
-# for the default model over 50 steps (N = 2 to 4, top-k 1 and 2), 1.6e-6 for a small one over 30
-# steps at every N <= 4 and --ep, with --capacity-factor 1. A wrong divisor gives 2e-2 in 3 steps.
+# Largest |difference| allowed against single-process training (float32). Measured: 4.8e-7 for the
+# default model over 50 steps at N = 4, 7.2e-7 for the tests' small one with a capacity (9.5e-7 and
+# 1.6e-6 at most before the embeddings' std 1, over N <= 4). A wrong divisor gives 2e-2 in 3 steps.
 TOLERANCE = 2e-5
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 VOCAB = 128  # the ASCII codes
@@ -115,19 +125,9 @@ def route(tokens, router, top_k):
     return probs, order[:, :top_k], ranked[:, :top_k], (ranked[:, top_k - 1] - ranked[:, top_k]).min()
 
 
-def within_capacity(choice, num_experts, capacity, slices=1):
-    """Which (token, choice) pairs their expert takes: at most `capacity` from each of `slices`
-    equal runs of tokens (each rank's own), the first in token order; all of them if capacity is None."""
-    if capacity is None:
-        return torch.ones_like(choice, dtype=torch.bool)
-    pairs = choice.reshape(slices, -1)
-    before = F.one_hot(pairs, num_experts).cumsum(1).gather(2, pairs.unsqueeze(2)).squeeze(2) - 1
-    return (before < capacity).view_as(choice)  # before: earlier pairs of the run for that expert
-
-
 def load_balancing_loss(probs, choice, num_experts, coef, comm):
-    """Switch's alpha E sum_i f_i P_i, f from the choices of all ranks (one Allreduce of E counts),
-    P from this rank's tokens. Returns the loss and the counts of all ranks (the load)."""
+    """Switch's alpha E sum_i f_i P_i, f the shares of all ranks' (token, choice) pairs (one Allreduce
+    of E counts), P from this rank's tokens. Returns the loss and all ranks' counts (the load)."""
     counts = torch.bincount(choice.reshape(-1), minlength=num_experts)
     if comm is not None:
         buffer = mpi_buffer(counts)
@@ -135,6 +135,24 @@ def load_balancing_loss(probs, choice, num_experts, coef, comm):
         from_mpi(counts, buffer)
     share = counts / counts.sum()  # f_i: no gradient flows through a count
     return coef * num_experts * (share * probs.mean(dim=0)).sum(), counts
+
+
+def expert_capacity(capacity_factor, top_k, n, num_experts):
+    """ceil(C k n / E) pairs per expert from one rank's n tokens, exactly (C as the decimal the user
+    wrote, not as its float); None (dropless) without a capacity factor."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(fractions.Fraction(repr(capacity_factor)) * top_k * n / num_experts)
+
+
+def within_capacity(choice, num_experts, capacity):
+    """Which (token, choice) pairs their expert takes: at most `capacity`, the first in token order
+    (a token's choices in their order); all of them if capacity is None."""
+    if capacity is None:
+        return torch.ones_like(choice, dtype=torch.bool)
+    pairs = choice.reshape(-1)  # token t's choice c is pair t k + c
+    before = F.one_hot(pairs, num_experts).cumsum(0).gather(1, pairs.unsqueeze(1)).squeeze(1) - 1
+    return (before < capacity).view_as(choice)  # before: the earlier pairs for the same expert
 
 
 def all_to_all(rows, send_rows, recv_rows, comm):
@@ -180,6 +198,14 @@ def dispatch_and_run(tokens, choice, keep, experts, comm):
     rows = AllToAll.apply(tokens[pairs // k], send_rows, recv_rows, comm)  # dispatch
     # The rows arrive by source rank, within one by expert: regroup them expert by expert, run
     # each expert once on all of its rows, and put the outputs back in the order of arrival.
+    # A toy: 2 ranks, experts 0 1 on rank 0 and 2 3 on rank 1, top-1, 3 tokens a rank.
+    #   rank 0: tokens a b c choose 2 0 3; by expert b a c; sent [1 0 1 1]: b to rank 0, a c to rank 1
+    #   rank 1: tokens d e f choose 1 2 0; by expert f d e; sent [1 1 1 0]: f d to rank 0, e to rank 1
+    #   rank 1 receives a c (rank 0's) then e (its own): received [1 1 1 0] (rank 0's for experts
+    #   2 3, then its own); by_expert reorders them a e | c, expert 2 runs on a e and expert 3 on c,
+    #   the argsort puts the outputs back as a c e, and the combine returns a c to rank 0, e to
+    #   itself. Rank 0 gets back b, then a c, the order in which they left: index_copy puts each
+    #   output at its pair (b is pair 1, a pair 0, c pair 2), zero where capacity dropped one.
     pieces = torch.arange(len(rows), device=rows.device).split(received.tolist())
     by_expert = torch.cat([pieces[i * local + e] for e in range(local) for i in range(size)])
     sizes = received.view(size, local).sum(0).tolist()
@@ -203,36 +229,6 @@ def average_gradients(model, comm, replica_comm):
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-
-
-# On a GPU: MPI reads GPU memory only when the library is CUDA-aware (found at start-up by
-# setup()). Otherwise a tensor on a GPU travels through a host copy. On the CPU these do nothing.
-CUDA_AWARE = False
-
-
-def mpi_buffer(t, nonblocking=False):
-    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
-    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
-    if not t.is_cuda:
-        return t
-    if CUDA_AWARE and not nonblocking:
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()  # the kernels that write t must finish first (not the whole device)
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
-
-
-def receive_buffer(t):
-    """Where a receive for t lands: t itself, or an empty pinned host buffer (nothing to copy in)."""
-    return t if not t.is_cuda or CUDA_AWARE else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-
-
-def from_mpi(t, buffer):
-    """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
-    if buffer is not t:
-        t.copy_(buffer)
-    return t
 
 
 def expert_groups(comm, ep):
@@ -267,6 +263,39 @@ def train_step(model, optimizer, x, y, comm, replica_comm, timeline):
 
 
 # -----------------------------------------------------------------------------
+# Staging: the buffer each MPI call above is handed (on the CPU, the tensor itself)
+# -----------------------------------------------------------------------------
+# On a GPU: MPI reads GPU memory only when the library is CUDA-aware (found at start-up by
+# setup()). Otherwise a tensor on a GPU travels through a host copy. On the CPU these do nothing.
+CUDA_AWARE = False
+
+
+def mpi_buffer(t, nonblocking=False):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
+    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+    if not t.is_cuda:
+        return t
+    if CUDA_AWARE and not nonblocking:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the kernels that write t must finish first (not the whole device)
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
+
+
+def receive_buffer(t):
+    """Where a receive for t lands: t itself, or an empty pinned host buffer (nothing to copy in)."""
+    return t if not t.is_cuda or CUDA_AWARE else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
+def from_mpi(t, buffer):
+    """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
+
+
+# -----------------------------------------------------------------------------
 # The model: tensor_parallel.py's GPT, each block's MLP a mixture of experts
 # -----------------------------------------------------------------------------
 class Expert(nn.Module):
@@ -282,7 +311,8 @@ class Expert(nn.Module):
 
 class MoE(nn.Module):
     """A router and E experts: y = sum over a token's top-k experts of gate x expert(x), added in
-    the order of the choices. Without ep_comm, one process holding every expert (the reference)."""
+    the order of the choices. expert_parallel() gives it its experts' ranks (ep_comm) and the ranks
+    whose choices the load-balancing loss counts (stats_comm); --check runs its own, written apart."""
 
     def __init__(self, hidden, num_experts, top_k, aux_coef, capacity_factor):
         super().__init__()
@@ -290,36 +320,28 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(hidden) for _ in range(num_experts))
         self.num_experts, self.top_k, self.aux_coef, self.capacity_factor = num_experts, top_k, aux_coef, capacity_factor
         self.ep_comm = self.stats_comm = None
-        self.slices = 1  # the reference cuts its batch as the ranks do, for the capacity
-        self.choices = None  # --check: the choices a rank writes down, and one process follows
-        self.aux = self.load = None  # the last forward's load-balancing loss and counts per expert
-        self.register_buffer("dropped", torch.tensor(0), persistent=False)  # pairs, over the run
-        self.register_buffer("min_gap", torch.tensor(math.inf), persistent=False)  # the router's, over the run
+        self.aux = self.load = None  # the last forward's load-balancing loss and choices per expert
+        # For the report and --check, not the strategy: the last forward's choices, the first
+        # forward's load, and over the run the pairs dropped and the router's smallest top-k gap.
+        self.choice = self.first_load = None
+        self.register_buffer("dropped", torch.tensor(0), persistent=False)
+        self.register_buffer("min_gap", torch.tensor(math.inf), persistent=False)
 
     def forward(self, x):
         tokens = x.reshape(-1, x.size(-1))
         probs, choice, gate, gap = route(tokens, self.router, self.top_k)
-        if self.choices is not None:
-            choice, gate = follow_choices(self, probs, choice, gate)
-        n = len(tokens) // self.slices  # one rank's tokens: the same expression in the reference
-        capacity = None if self.capacity_factor is None else math.ceil(self.capacity_factor * self.top_k * n / self.num_experts)
-        keep = within_capacity(choice, self.num_experts, capacity, self.slices)
+        capacity = expert_capacity(self.capacity_factor, self.top_k, len(tokens), self.num_experts)
+        keep = within_capacity(choice, self.num_experts, capacity)
         self.aux, self.load = load_balancing_loss(probs, choice, self.num_experts, self.aux_coef, self.stats_comm)
-        self.dropped, self.min_gap = self.dropped + (~keep).sum(), torch.minimum(self.min_gap, gap.detach())
-        outputs = (self.every_expert_here(tokens, choice, keep) if self.ep_comm is None else  # the reference
-                   dispatch_and_run(tokens, choice, keep, list(self.experts.values()), self.ep_comm))
+        outputs = dispatch_and_run(tokens, choice, keep, list(self.experts.values()), self.ep_comm)
         outputs, gate = outputs.view(*choice.shape, -1), gate.to(tokens.dtype).unsqueeze(-1)
         y = gate[:, 0] * outputs[:, 0]
         for c in range(1, self.top_k):  # the fixed order of the sum
             y = y + gate[:, c] * outputs[:, c]
+        # for the report and --check (see __init__)
+        self.choice, self.first_load = choice, self.load if self.first_load is None else self.first_load
+        self.dropped, self.min_gap = self.dropped + (~keep).sum(), torch.minimum(self.min_gap, gap.detach())
         return y.view_as(x)
-
-    def every_expert_here(self, tokens, choice, keep):
-        outputs = tokens.new_zeros(choice.numel(), tokens.size(1))
-        for e, expert in enumerate(self.experts):
-            pairs = ((choice.reshape(-1) == e) & keep.reshape(-1)).nonzero().squeeze(1)
-            outputs = outputs.index_copy(0, pairs, expert(tokens[pairs // self.top_k]))
-        return outputs
 
 
 def attend(qkv, heads):
@@ -364,14 +386,23 @@ class GPT(nn.Module):
 
 
 def build_model(args):
-    """The whole model from the seed on the CPU, the same at every world size (GPT-2's init)."""
+    """The whole model from the seed on the CPU, the same at every world size: GPT-2's init, but
+    the embeddings at std 1 (PyTorch's own default for them), for the router's sake."""
     torch.manual_seed(args.seed)
     model = GPT(args)
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
+            nn.init.normal_(m.weight, std=1.0 if isinstance(m, nn.Embedding) else 0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+    # Why std 1: at GPT-2's 0.02 a token's own part of the residual stream has a norm near 0.2, and
+    # one SGD step adds what is the same for every token (the biases, attention's average over the
+    # context) at a norm near 0.4. LayerNorm rescales each token but keeps what all tokens share, so
+    # every router saw nearly one input and sent every token to the same k experts: the busiest
+    # expert took E/k = 2.00 times an even share on every block from the second step. A small router
+    # (Switch's init) did not help: scaling the logits keeps their top k. At std 1 the tokens' own
+    # parts stay ahead: the busiest expert 1.10 to 1.31 times an even share on the first step, 1.03
+    # to 1.11 on the last (the default run).
     return model
 
 
@@ -396,8 +427,10 @@ def expert_parallel_model(args, ep_comm, stats_comm, device):
     """The whole model from the seed on the CPU; each rank keeps its experts and moves only its
     part to its device. Returns it and its optimizer."""
     model = expert_parallel(build_model(args), ep_comm, stats_comm).to(device)
-    for moe in moe_layers(model):
-        moe.choices = [] if args.check else None
+    for moe in moe_layers(model):  # --check: every step's choices written down, for one process to follow
+        moe.written = []
+        if args.check:
+            moe.register_forward_hook(lambda layer, inputs, output: layer.written.append(layer.choice))
     return model, sgd(model, args.lr)
 
 
@@ -505,14 +538,23 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
+# What the reference shares with the ranks: build_model (the GPT, its attention and Expert MLPs,
+# the weights from the seed), make_batch and sgd. Harmless: the ranks hold these whole or as copies
+# of the same modules, with no exchange in them. The mixture itself (routing, capacity, the
+# load-balancing loss, the combine) it writes apart in reference_moe, so that a bug on either side shows:
+# its own top k by argmax, capacity counted pair by pair, every expert run on every token and
+# weighted by a matrix of gates, the load-balancing loss from its definition. It takes the ranks'
+# choices rather than its own, and keeps by how much its own probabilities preferred others (0 when
+# they agree): a near-tie may fall the other way after float32 rounding, and one flipped token would
+# move the run by far more than rounding; the check counts that preference against its tolerance,
+# so a routing error still fails it.
 def reference_training(args, world_size, choices=None):
-    """The same steps in one plain process holding every expert: no exchange, each expert run on
-    the tokens that chose it. With a capacity factor, each of the world_size slices of the batch
-    (one rank's tokens) fills the experts' capacity on its own, as on the ranks. choices: for each
-    block, the ranks' choices of each step (None before a resume), which it follows."""
+    """The same steps in one plain process holding every expert. choices: for each block, the
+    ranks' choices of each step (None before a resume), which it follows (see reference_moe)."""
     model = build_model(args)
     for moe, followed in zip(moe_layers(model), choices or [None] * args.layers):
-        moe.slices, moe.choices, moe.differed, moe.disagreement = world_size, followed and iter(followed), 0, 0.0
+        moe.followed, moe.differed, moe.disagreement = iter(followed or []), 0, 0.0
+        moe.forward = lambda x, moe=moe: reference_moe(moe, x, world_size)
     optimizer, losses = sgd(model, args.lr), []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
@@ -531,8 +573,7 @@ def gather_model(model, comm):
     comm.Gather(flat, every, root=0)
     if comm.Get_rank() != 0:
         return None
-    expert_ids = {id(p) for p in expert_parameters(model)}
-    full = {name: p.detach().cpu() for name, p in model.named_parameters() if id(p) not in expert_ids}
+    full = {name: p.detach().cpu() for name, p in model.named_parameters() if ".experts." not in name}
     per = len(moe_layers(model)[0].experts)
     for j in range(moe_layers(model)[0].num_experts // per):  # the ranks of the first group
         offset = 0
@@ -543,26 +584,37 @@ def gather_model(model, comm):
                     offset += p.numel()
     return full
 
-def follow_choices(moe, probs, choice, gate):
-    """--check. On a rank: write the choices down. In the reference: take the ranks' choices instead
-    of its own, and keep by how much its own probabilities preferred others (0 if they agree): a
-    near-tie may fall the other way after float32 rounding, and one flipped token would move the
-    whole run by far more than rounding; a larger preference is a routing error."""
-    if isinstance(moe.choices, list):
-        moe.choices.append(choice)
-        return choice, gate
-    followed = next(moe.choices, None)
-    if followed is None:  # a step trained before a resume: none written down
-        return choice, gate
-    preferred = gate.detach().sum(1) - probs.detach().gather(1, followed).sum(1)  # >= 0
-    moe.differed += int((preferred > 0).sum())
-    moe.disagreement = max(moe.disagreement, preferred.max().item())
-    return followed, probs.gather(1, followed)
+def reference_moe(moe, x, slices):
+    """The mixture of experts of one process holding them all, written apart from MoE.forward and
+    following the ranks' choices (see the comment above reference_training)."""
+    tokens, E, k = x.reshape(-1, x.size(-1)), moe.num_experts, moe.top_k
+    probs = torch.softmax(tokens @ moe.router.weight.T, dim=1)
+    own, left = [], probs.detach().clone()
+    for _ in range(k):  # the largest probability left; argmax takes the lowest index of a tie
+        own.append(left.argmax(dim=1))
+        left[torch.arange(len(left)), own[-1]] = -1.0
+    own = torch.stack(own, dim=1)
+    choice = own if (followed := next(moe.followed, None)) is None else followed  # None: before a resume
+    preferred = (probs.gather(1, own).sum(1) - probs.gather(1, choice).sum(1)).detach().abs()
+    moe.differed, moe.disagreement = moe.differed + int((preferred > 0).sum()), max(moe.disagreement, preferred.max().item())
+    n = len(tokens) // slices  # each rank's tokens fill every expert's capacity on their own
+    capacity = math.ceil(decimal.Decimal(repr(moe.capacity_factor)) * k * n / E) if moe.capacity_factor else math.inf
+    keep, taken = [], collections.Counter()  # (rank, expert): the pairs it took so far from that rank
+    for t, token in enumerate(choice.tolist()):
+        for e in token:  # in token order, a token's choices in their order
+            keep.append(taken[t // n, e] < capacity)
+            taken[t // n, e] += 1
+    keep = torch.tensor(keep).view(-1, k)
+    moe.dropped = moe.dropped + (~keep).sum()
+    gates = sum(F.one_hot(choice[:, c], E) * probs.gather(1, choice[:, c:c + 1]) * keep[:, c:c + 1] for c in range(k))
+    y = sum(gates[:, e:e + 1] * expert(tokens) for e, expert in enumerate(moe.experts))
+    share = [(choice == e).sum().item() / choice.numel() for e in range(E)]  # f_e, before capacity
+    moe.aux = moe.aux_coef * E * sum(share[e] * probs[:, e].mean() for e in range(E))
+    return y.view_as(x)
 
 def gather_choices(model, comm, steps):
-    """[block][step]: the choices of all ranks' tokens, rank by rank, on rank 0 (None elsewhere;
-    None for the steps trained before a resume)."""
-    written = torch.stack([torch.stack(moe.choices) for moe in moe_layers(model)]).cpu()  # L x S x n x k
+    """[block][step]: all ranks' choices, rank by rank, on rank 0 (None elsewhere, and before a resume)."""
+    written = torch.stack([torch.stack(moe.written) for moe in moe_layers(model)]).cpu()  # L x S x n x k
     every = written.new_empty(comm.Get_size(), *written.shape) if comm.Get_rank() == 0 else None
     comm.Gather(written, every, root=0)
     if every is None:
@@ -571,9 +623,8 @@ def gather_choices(model, comm, steps):
             for block in range(every.size(1))]
 
 def check(comm, args, losses, model):
-    """Rank 0 gathers the model and the choices on its CPU and trains the reference there; the
-    others wait without spinning. Every rank gets the largest difference (in losses, parameters, or
-    the preference of one process for other experts than the ranks') and the reference's counts."""
+    """Rank 0 gathers the model and the choices and trains the reference on its CPU; the others wait
+    without spinning. All get the largest difference (losses, parameters, routing) and its counts."""
     full, choices, diff, counts = gather_model(model, comm), gather_choices(model, comm, args.steps), None, None
     if comm.Get_rank() == 0:
         ref_losses, ref_model = reference_training(args, comm.Get_size(), choices)
@@ -587,8 +638,7 @@ def check(comm, args, losses, model):
 
 def print_header(comm, args, run, model, resumed):
     world_size, P, E, L = comm.Get_size(), args.ep, args.experts, args.layers
-    expert_ids = {id(p) for p in expert_parameters(model)}
-    dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
+    dense = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in expert_parameters(model))
     one = sum(p.numel() for p in next(iter(moe_layers(model)[0].experts.values())).parameters())
     if resumed:
         print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)")
@@ -599,18 +649,16 @@ def print_header(comm, args, run, model, resumed):
            f"rank (rank j of a group: j x {E // P} to j x {E // P} + {E // P - 1}), each expert on {world_size // P} rank(s)",
            f"batch {args.batch_size} x {args.seq_len} characters, {args.batch_size // world_size} sequences per rank | "
            + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}: at most "
-              f"{math.ceil(args.capacity_factor * args.top_k * (args.batch_size // world_size * args.seq_len) / E)} "
+              f"{expert_capacity(args.capacity_factor, args.top_k, args.batch_size // world_size * args.seq_len, E)} "
               f"pairs per expert from each rank") + f" | load-balancing coefficient {args.aux_loss_coef:g}",
            f"text: {' + '.join(s + '.py' for s in SOURCES)} of Python {sys.version.split()[0]} "
            f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes")
 
 def report(comm, args, run, model, losses, records, counted, diff, reference):
-    """The summary: bytes per step beside the formula, the experts' memory, the load, the drops
-    and the router's smallest gap; then finish() prints the rest and --json."""
+    """The summary (bytes beside their formulas, memory, load, drops, the router's gap); finish() the rest."""
     world_size, P, E, k, L, h = comm.Get_size(), args.ep, args.experts, args.top_k, args.layers, args.hidden
     steps_run, n, moes = max(1, len(records)), args.batch_size // world_size * args.seq_len, moe_layers(model)
-    experts = expert_parameters(model)
-    one = sum(p.numel() for p in next(iter(moes[0].experts.values())).parameters())
+    experts, one = expert_parameters(model), sum(p.numel() for p in next(iter(moes[0].experts.values())).parameters())
     dense = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in experts)
     dropped = comm.allreduce(int(sum(m.dropped for m in moes)))  # pairs, all ranks, all layers and steps
     gap = comm.allreduce(float(min(m.min_gap for m in moes)), op=MPI.MIN)
@@ -624,24 +672,26 @@ def report(comm, args, run, model, losses, records, counted, diff, reference):
                "router": L * E * 8, "dense": 4 * dense, "experts": 4 * (E // P) * L * one}
     calls = sum(sum(c.calls.values()) for c in counted.values()) / steps_run
     held = comm.allgather(sum(p.numel() * p.element_size() for p in experts))
-    load = [m.load.tolist() for m in moes]
-    total = L * k * args.batch_size * args.seq_len * steps_run
+    load, first = [m.load.tolist() for m in moes], [m.first_load.tolist() for m in moes]
+    busiest = {when: [max(c) / (sum(c) / E) for c in counts] for when, counts in (("first_step", first), ("last_step", load))}
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
              f"bytes per step and rank, mean over the {world_size} ranks: {sum(measured.values()):,.0f} (from "
              f"{min(per_rank):,.0f} to {max(per_rank):,.0f}: the rows a rank sends follow the routing); formula "
              f"{sum(formula.values()):,.0f}",
              f"  Alltoallv {measured['Alltoallv']:,.0f} = 4 L (k n - dropped) h x 4 = {formula['Alltoallv']:,.0f} | "
              f"Alltoall of counts {measured['Alltoall']:,.0f} = L E 8 = {formula['Alltoall']:,} | router counts "
-             f"{measured['router']:,.0f} = L E 8 | dense gradients {measured['dense']:,.0f} = 4 D = {formula['dense']:,} | "
+             f"{measured['router']:,.0f} = L E 8 = {formula['router']:,} | dense gradients {measured['dense']:,.0f} = 4 D = {formula['dense']:,} | "
              f"expert gradients {measured['experts']:,.0f} = 4 (E/P) L X = {formula['experts']:,}",
              f"collectives per step and rank: {calls:g} (formula 6L + 2 = {6 * L + 2}: per block 4 Alltoallv, 1 Alltoall, "
              f"1 Allreduce; 2 gradient Allreduces)",
              f"expert parameters per rank: {min(held):,} to {max(held):,} bytes; formula (E/P) L X x 4 = "
              f"{E // P * L * one * 4:,} ({E // P} of {E} experts x {L} blocks x {one:,} parameters)",
-             f"tokens per expert, last step, all ranks ({k} x {args.batch_size * args.seq_len} choices a block, "
-             f"{k * args.batch_size * args.seq_len / E:g} each if balanced): "
-             + " | ".join(f"block {i} {counts}" for i, counts in enumerate(load)),
-             f"(token, choice) pairs dropped: {dropped:,} of {total:,}"
+             f"(token, choice) pairs per expert as the router chose them (before capacity), last step, all ranks "
+             f"({k} x {args.batch_size * args.seq_len} a block, {k * args.batch_size * args.seq_len / E:g} each if "
+             f"balanced): " + " | ".join(f"block {i} {counts}" for i, counts in enumerate(load)),
+             f"busiest expert over an even share, block by block (1 balanced, E/k = {E / k:g} every token choosing it): "
+             + ", ".join(f"{when.replace('_', ' ')} " + " ".join(f"{b:.2f}" for b in v) for when, v in busiest.items()),
+             f"(token, choice) pairs dropped: {dropped:,} of {L * k * args.batch_size * args.seq_len * steps_run:,}"
              + (" (dropless)" if args.capacity_factor is None else f" (capacity factor {args.capacity_factor:g})")
              + ("" if reference is None else f"; the single process dropped {reference[0]:,}"),
              f"smallest gap between a token's k-th and (k+1)-th router probability: {gap:.2e} (rounding moves a "
@@ -655,7 +705,8 @@ def report(comm, args, run, model, losses, records, counted, diff, reference):
         "comm_bytes_per_rank": per_rank, "comm_bytes_by_kind": measured, "comm_bytes_formula_by_kind": formula,
         "collectives_per_step": calls, "collectives_formula": 6 * L + 2,
         "expert_param_bytes_per_rank": held, "expert_param_bytes_formula": E // P * L * one * 4,
-        "tokens_per_expert": load, "tokens_dropped": dropped, "tokens_dropped_reference": reference and reference[0],
+        "tokens_per_expert": load, "tokens_per_expert_first_step": first, "busiest_expert_share": busiest,
+        "tokens_dropped": dropped, "tokens_dropped_reference": reference and reference[0],
         "choices_differing_in_reference": reference and reference[1], "reference_preference": reference and reference[2],
         "min_topk_gap": gap, "overlap": {}})  # the exchanges are blocking: the lesson claims no overlap
 
