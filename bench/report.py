@@ -1209,10 +1209,48 @@ def larger_model(meta, runs, cores):
 
 
 
+def precision(meta, runs, cores):
+    lines = ["## Precision and recomputation: bf16 against fp32, and what recomputation costs", ""]
+    jobs = jobs_measured(runs, "precision", (2, 4))
+    if not jobs:
+        return lines + ["Not measured (see above).", ""]
+    first = jobs[0][1]["result"]
+    lines += [f"Each script at its defaults ({plural(first['steps'], 'step')} per run, "
+              f"{plural(first['rounds'], 'round')}, every case taking turns on the same ranks). *bf16*: "
+              "autocast's bfloat16 matmuls on float32 master weights; *× fp32*: its step over the fp32 "
+              "step, paired by round (a CPU without bf16 matrix units converts instead of gaining). "
+              "*Peak*: the largest rank's measured peak, MB. *Selective* recomputes attention's scores and "
+              "softmax in backward, *full* each whole block; *× none*: the step over fp32 without "
+              "recomputation; *activations*: what autograd saved for backward in one forward, largest "
+              "rank, MB; *loss Δ*: against the fp32 run without recomputation (0 is bit for bit).", ""]
+    head = ["N", "script", "fp32 step ms", "bf16 × fp32 (range)", "peak MB fp32 → bf16", "check fp32 / bf16",
+            "selective × none", "full × none", "activations MB none / selective / full", "loss Δ sel. / full"]
+    rows = []
+    for n, j in jobs:
+        scripts = list(dict.fromkeys(c["tags"]["strategy"] for c in j["result"]["cases"]))
+        for module in scripts:
+            base = case(j, strategy=module, precision="fp32", recompute="none")
+            bf16 = case(j, strategy=module, precision="bf16", recompute="none")
+            sel = case(j, strategy=module, precision="fp32", recompute="selective")
+            full = case(j, strategy=module, precision="fp32", recompute="full")
+            peak = lambda c: mb(max(c["result"]["peak_memory_bytes_per_rank"])) if ok(c) else "–"
+            saved = lambda c: (mb(max(c["result"]["activation_bytes_per_rank"]))
+                               if ok(c) and c["result"].get("activation_bytes_per_rank") else "–")
+            rows.append([ranks_label(n, cores), f"{module}.py", step_cell(base) if ok(base) else "–",
+                         ratio_cell(bf16, base), f"{peak(base)} → {peak(bf16)}",
+                         f"{check_cell(base) if ok(base) else '–'} / {check_cell(bf16) if ok(bf16) else '–'}",
+                         ratio_cell(sel, base) if sel else "–", ratio_cell(full, base) if full else "–",
+                         " / ".join(saved(c) for c in (base, sel, full)) if sel else saved(base),
+                         f"{sci(loss_diff(sel, base))} / {sci(loss_diff(full, base))}" if sel else "–"])
+            errors = [c for c in (base, bf16, sel, full) if c is not None and not ok(c)]
+            rows += [[ranks_label(n, cores)] + failed_row(c, len(head) - 1) for c in errors]
+    return lines + table(head, rows) + load_line([j for _, j in jobs])
+
+
 def render(meta, runs):
     cores = meta["machine"]["cores"]
     lines = header(meta, runs)
     for section in (summary, transport, data_parallel, pipeline, tensor_parallel, sharded, larger_model, hybrid,
-                    context_parallel, expert_parallel, overlap, scaling, findings):
+                    context_parallel, expert_parallel, precision, overlap, scaling, findings):
         lines += section(meta, runs, cores)
     return "\n".join(lines)

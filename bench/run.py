@@ -41,7 +41,8 @@ STRATEGIES = ("data_parallel", "pipeline_parallel", "model_parallel", "tensor_pa
 GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_parallel"),
                "tp": ("tensor_parallel",), "zero": ("sharded_data_parallel",), "hybrid": ("hybrid_parallel",),
                "cp": ("context_parallel",), "ep": ("expert_parallel",), "scaling": STRATEGIES[:4],
-               "transport": STRATEGIES, "large": ("tensor_parallel", "pipeline_parallel", "sharded_data_parallel")}
+               "transport": STRATEGIES, "large": ("tensor_parallel", "pipeline_parallel", "sharded_data_parallel"),
+               "precision": STRATEGIES}
 
 
 Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
@@ -92,6 +93,8 @@ def plan(mode):
     jobs.append(Job(("large",), 2, ["--rounds", "3", "--steps", "3"], {}, 180, 420))
     # The 2 x 2 x 2 grid beside the one-axis grids, 8 ranks on the machine's cores.
     jobs.append(Job(("hybrid",), 8, ["--rounds", "4", "--steps", "4"], {}, 70, 200))
+    # Every script in fp32 and bf16, and with --recompute selective and full, at N = 2.
+    jobs.append(Job(("precision",), 2, ["--rounds", "2", "--steps", "4", "--check"], {}, 150, 420))
     # MPICH's progress thread moves non-blocking collectives on while backward computes.
     jobs.append(Job(("dp",), 2, ["--rounds", "6", "--steps", "12", "--without-gloo"],
                     {"MPIR_CVAR_ASYNC_PROGRESS": 1}, 35, 240))

@@ -1080,6 +1080,27 @@ def large_cases(ctx):
 
 
 # -----------------------------------------------------------------------------
+# Precision and recomputation: each script in fp32 and bf16, and with --recompute selective and full
+# -----------------------------------------------------------------------------
+SCRIPTS = ("data_parallel", "tensor_parallel", "pipeline_parallel", "model_parallel", "sharded_data_parallel",
+           "context_parallel", "expert_parallel", "hybrid_parallel")
+
+
+def precision_cases(ctx):
+    """Every script at its defaults in fp32 and in bf16 (autocast on float32 master weights), and
+    each of the seven with transformer blocks with --recompute selective and full (fp32), on the same
+    ranks, taking turns: the step-time ratios are paired by round."""
+    cases = []
+    for module in SCRIPTS:
+        runs = [("fp32", "none"), ("bf16", "none")]
+        runs += [] if module == "data_parallel" else [("fp32", "selective"), ("fp32", "full")]
+        cases += [Case(f"{module}.py --precision {p}" + (f" --recompute {r}" if r != "none" else ""),
+                       {"kind": "strategy", "strategy": module, "precision": p, "recompute": r},
+                       strategy(module, "--precision", p, "--recompute", r)) for p, r in runs]
+    return cases
+
+
+# -----------------------------------------------------------------------------
 # Scaling: each strategy at N = 1, 2, 4 in one job, so that the sizes take turns too
 # -----------------------------------------------------------------------------
 def wait_quietly(comm):
@@ -1133,7 +1154,7 @@ def scaling_cases(ctx):
 
 GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "zero": zero_cases,
           "hybrid": hybrid_cases, "cp": context_cases, "ep": expert_cases, "scaling": scaling_cases,
-          "transport": transport_cases, "large": large_cases}
+          "transport": transport_cases, "large": large_cases, "precision": precision_cases}
 CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel",
              "zero": "sharded_data_parallel", "hybrid": "hybrid_parallel", "cp": "context_parallel",
              "ep": "expert_parallel"}
