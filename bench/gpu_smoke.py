@@ -43,6 +43,11 @@ GPT = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--
 RUNS = [  # (label, script, ranks, flags): the newest paths first
     ("context parallel", "context_parallel.py", 2, GPT),
     ("expert parallel", "expert_parallel.py", 2, GPT),
+    ("tensor parallel, bf16, selective recompute", "tensor_parallel.py", 2,
+     GPT + ["--sample-chars", "0", "--precision", "bf16", "--recompute", "selective"]),
+    ("pipeline 1F1B, bf16, full recompute", "pipeline_parallel.py", 2,
+     GPT + ["--micro-batches", "4", "--precision", "bf16", "--recompute", "full"]),
+    ("ZeRO stage 3, bf16", "sharded_data_parallel.py", 2, GPT + ["--zero-stage", "3", "--precision", "bf16"]),
     ("data parallel", "data_parallel.py", 2, ["--steps", "4", "--batch-size", "16", "--bucket-mb", "0.05", "--sync-bn"]),
     ("tensor parallel", "tensor_parallel.py", 2, GPT + ["--sample-chars", "0"]),
     ("pipeline 1F1B", "pipeline_parallel.py", 2, GPT + ["--micro-batches", "4"]),
