@@ -5,8 +5,8 @@
 First the facts every row depends on: whether torch sees the GPUs that nvidia-smi lists (if not,
 it says so and exits with status 1), whether the mpirun on PATH belongs to the MPI library that
 mpi4py loaded, and whether that library reads GPU memory. Rows: every strategy file with
---device cuda --check at small sizes (context and expert parallelism first, the newest paths),
-staged through host memory (MPI_CUDA_AWARE=0) and again direct where the library is CUDA-aware;
+--device cuda --check at small sizes (context and expert parallelism first, the newest paths,
+then three in bf16 with recomputation: the precision a GPU run trains in), staged through host memory (MPI_CUDA_AWARE=0) and again direct where the library is CUDA-aware;
 hybrid_parallel.py with 3 pipeline stages (the receive in the cool-down that must wait for its
 stream) and on 2 x 2 x 2; the thread-level refusal; and a SIGTERM to every rank of a
 data_parallel.py run as soon as it trains, then --resume to the uninterrupted losses (within the
