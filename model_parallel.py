@@ -61,6 +61,7 @@ import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
@@ -72,6 +73,7 @@ STRATEGY = "model_parallel"
 # pipeline_parallel.py. Nothing here reorders a sum (0 measured at N = 1..4 on one machine), but
 # ranks with another thread count or device than the reference's could, as micro-batches do there.
 TOLERANCE = 2e-5
+TOLERANCE_BF16 = 4e-3  # provisional
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
@@ -83,8 +85,10 @@ POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core 
 TAGS = {"act": 1, "grad": 2}  # far below 32767, the least MPI_TAG_UB that MPI allows
 
 
-def train_step(stage, optimizer, x, y, shapes, comm, timeline):
+def train_step(stage, optimizer, x, y, shapes, comm, timeline, precision="fp32", saved=contextlib.nullcontext()):
     """One optimizer step on the whole batch. Returns the loss on the last rank, elsewhere 0.
+    The forward and the loss under autocast in bf16 (backward follows the forward's casts); `saved`
+    measures what the forward keeps for backward (SavedActivations, below the divider).
     While one rank computes, every other rank waits for its activations or its gradient.
     Each receive is an Irecv and a Wait, not a Recv: comm counts and times the calls (below the
     divider), and its Wait sleeps between polls, so that a waiting rank leaves its core to the
@@ -98,9 +102,9 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline):
         buffer = mpi_receive_buffer(inp)
         comm.Irecv(buffer, source=rank - 1, tag=TAGS["act"]).Wait()
         inp = from_mpi(inp, buffer).requires_grad_()
-    with timeline.span("compute", "F"):
-        out = stage(inp)  # the activations; on the last rank the logits, and then the loss
-        loss = F.cross_entropy(out.flatten(0, 1), y.flatten()) if rank == n - 1 else None
+    with timeline.span("compute", "F"), autocast(x.device, precision), saved:
+        out = stage(inp)  # the activations; on the last rank the logits, and then the loss (float32)
+        loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten()) if rank == n - 1 else None
     grad = None
     if rank < n - 1:
         grad = torch.empty(shapes["grad"][0], dtype=shapes["grad"][1], device=x.device)
@@ -123,7 +127,12 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline):
     return loss.item() if loss is not None else 0.0
 
 
-def agree_shapes(stage, comm, batch, seq_len, device):
+def autocast(device, precision):
+    """bf16: the matmuls in bfloat16 on float32 weights (the master weights); fp32: nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def agree_shapes(stage, comm, batch, seq_len, device, precision="fp32"):
     """Before training, each stage learns what it will receive: rank r runs its stage on a probe of
     its input and tells rank r+1 the shape and dtype of its output (metadata: pickled is fine, with
     tag 0, which the step's messages never use). Returns (shape, dtype) of the activations this rank
@@ -134,7 +143,7 @@ def agree_shapes(stage, comm, batch, seq_len, device):
     else:
         shape, dtype = comm.recv(source=rank - 1, tag=0)
         probe = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-    with torch.no_grad():
+    with torch.no_grad(), autocast(device, precision):
         out = stage(probe)
     if rank < n - 1:
         comm.send((tuple(out.shape), str(out.dtype).removeprefix("torch.")), dest=rank + 1, tag=0)
@@ -184,48 +193,72 @@ def from_mpi(t, buffer):
 # -----------------------------------------------------------------------------
 # Model: a GPT-2 style character-level language model, built whole, then cut into stages
 # -----------------------------------------------------------------------------
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which each position sees itself and the positions before it."""
+def attention_core(q, k, v, future):
+    """Scores, mask, softmax, times V: the part whose activations grow with the sequence squared.
+    The softmax in float32 (under autocast on the CPU it would stay in the scores' bf16)."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    weights = scores.float().masked_fill(future, float("-inf")).softmax(dim=-1)
+    return weights @ v
 
-    def __init__(self, hidden, heads, seq_len):
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which each position sees itself and the positions before it.
+    recompute "selective": the core is recomputed in backward; only q, k and v are kept."""
+
+    def __init__(self, hidden, heads, seq_len, recompute="none"):
         super().__init__()
         self.heads, self.qkv, self.proj = heads, nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
         self.register_buffer("future", torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1),
                              persistent=False)
+        self.recompute = recompute
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
                    for z in self.qkv(x).split(c, dim=2))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        weights = scores.masked_fill(self.future[:t, :t], float("-inf")).softmax(dim=-1)
-        return self.proj((weights @ v).transpose(1, 2).reshape(b, t, c))
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            y = checkpoint(attention_core, q, k, v, self.future[:t, :t], use_reentrant=True)
+        else:
+            y = attention_core(q, k, v, self.future[:t, :t])
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
 class Block(nn.Module):
     """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
-    weights, so that float32 rounding differences between world sizes stay at rounding level."""
+    weights, so that float32 rounding differences between world sizes stay at rounding level.
+    LayerNorm takes its input in float32 (its statistics; in bf16 the stream is bf16).
+    recompute "full": the whole block is recomputed in backward; only its input is kept."""
 
-    def __init__(self, hidden, heads, seq_len):
+    def __init__(self, hidden, heads, seq_len, recompute="none"):
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(hidden), CausalSelfAttention(hidden, heads, seq_len)
+        self.ln1, self.attn = nn.LayerNorm(hidden), CausalSelfAttention(hidden, heads, seq_len, recompute)
         self.ln2 = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.recompute = recompute
 
     def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self.layers, x, use_reentrant=True)
+        return self.layers(x)
+
+    def layers(self, x):
+        x = x + self.attn(self.ln1(x.float()))
+        return x + self.mlp(self.ln2(x.float()))
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embedding: what the first stage holds besides its blocks."""
+    """Token plus learned position embedding: what the first stage holds besides its blocks.
+    Under bf16 autocast it starts the residual stream in bf16, as Megatron keeps it: the blocks'
+    sums then stay bf16, and so do the activations that cross from stage to stage."""
 
     def __init__(self, hidden, seq_len):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
 
     def forward(self, idx):
-        return self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+        x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+        kind = idx.device.type
+        return x.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else x
 
 
 class Head(nn.Module):
@@ -236,15 +269,15 @@ class Head(nn.Module):
         self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
 
     def forward(self, x):
-        return self.out(self.norm(x))
+        return self.out(self.norm(x.float()))
 
 
-def build_model(args):
+def build_model(args, recompute="none"):
     """The full model from the seed, on the CPU: the same network at every world size (GPT-2's
     init). One nn.Sequential of embeddings, blocks and head, so that a stage is a slice of it."""
     torch.manual_seed(args.seed)
     model = nn.Sequential(Embedding(args.hidden, args.seq_len),
-                          *(Block(args.hidden, args.heads, args.seq_len) for _ in range(args.layers)),
+                          *(Block(args.hidden, args.heads, args.seq_len, recompute) for _ in range(args.layers)),
                           Head(args.hidden))
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -271,7 +304,7 @@ def build_stage(args, rank, n, device):
     """This rank's stage alone on its device. The whole model is built on the CPU, so that the seed
     gives the same weights at every world size, and the other stages' layers are freed on return:
     no rank keeps the full model, and no device ever holds more than its stage."""
-    return stage_of(build_model(args), rank, n).to(device)
+    return stage_of(build_model(args, args.recompute), rank, n).to(device)
 
 
 def model_config(args):
@@ -285,6 +318,19 @@ def describe_split(layers, n):
                       (f"block {lo}" if hi - lo == 1 else f"blocks {lo}-{hi - 1}") +
                       " + norm, head, loss" * (r == n - 1)
                       for r, (lo, hi) in enumerate(layer_split(layers, n)))
+
+
+def activation_bytes(args, rank, n):
+    """The docstring's formula: the bytes rank r's forward keeps for backward (its L_r blocks, the
+    embeddings' indices on rank 0, the head and the loss on the last rank)."""
+    b, s, h, a = args.batch_size, args.seq_len, args.hidden, args.heads
+    bf16 = args.precision == "bf16"
+    block = {"none": (36 if bf16 else 64) * b * s * h + 16 * b * s + (6 if bf16 else 4) * a * b * s * s,
+             "selective": (36 if bf16 else 64) * b * s * h + 16 * b * s,
+             "full": (2 if bf16 else 4) * b * s * h}[args.recompute]
+    lo, hi = layer_split(args.layers, n)[rank]
+    head = (6 if bf16 else 8) * b * s * h + 16 * b * s + 4 * b * s * VOCAB + 4
+    return (hi - lo) * block + (rank == 0) * (8 * b * s + 8 * s) + (rank == n - 1) * head
 
 
 # -----------------------------------------------------------------------------
@@ -310,7 +356,7 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, counted, device, stage, optimizer, shapes, timeline, past=()):
+def train(args, comm, counted, device, stage, optimizer, shapes, timeline, saved, past=()):
     """The steps after the `past` ones (their losses, from a checkpoint). Returns the losses of
     the new steps (0 but on the last rank), their timings, and when the last step began and
     ended on the timeline's clock. The step talks through `counted`, the communicator that
@@ -319,7 +365,7 @@ def train(args, comm, counted, device, stage, optimizer, shapes, timeline, past=
     for step in range(len(past), args.steps):
         start = time.perf_counter()
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        losses.append(train_step(stage, optimizer, x, y, shapes, counted, timeline))
+        losses.append(train_step(stage, optimizer, x, y, shapes, counted, timeline, args.precision, saved))
         records.append(timeline.step_record(start))
         window = (start - timeline.origin_s, start - timeline.origin_s + records[-1]["step_s"])
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
@@ -356,11 +402,13 @@ def main(argv=None, comm=MPI.COMM_WORLD):
                 stage.load_state_dict(shard["model"])
                 optimizer.load_state_dict(shard["optimizer"])
                 past = shard["losses"]
-        shapes = agree_shapes(stage, comm, args.batch_size, args.seq_len, run.device)
+        shapes = agree_shapes(stage, comm, args.batch_size, args.seq_len, run.device, args.precision)
         print_header(comm, args, run, stage, shapes, resumed)
         counted.reset()  # count the training steps only
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
-        losses, records, window = train(args, comm, counted, run.device, stage, optimizer, shapes, run.timeline, past)
+        saved = SavedActivations(stage)  # what each step's forward keeps for backward, measured
+        losses, records, window = train(args, comm, counted, run.device, stage, optimizer, shapes, run.timeline,
+                                        saved, past)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
@@ -369,7 +417,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     diff = check(comm, args, losses, stage) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, stage, optimizer, losses, records, counted, diff, window)
+    return report(comm, args, run, stage, optimizer, losses, records, counted, diff, window, saved)
 
 
 # =============================================================================
@@ -380,11 +428,42 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments
+class SavedActivations:
+    """Around a forward: the bytes of the distinct storages autograd saves for backward, that is
+    the activations (a view and its base, or one tensor saved twice, count once). Left out: the
+    stage's parameters and buffers, and the bf16 copies autocast makes of parameters (the model's
+    memory, not the batch's), known by their grad_fn: ToCopyBackward0 whose next function is a
+    parameter's AccumulateGrad (or a view of such a copy). self.bytes: the last forward's."""
+
+    def __init__(self, module):
+        self.params = {id(p) for p in module.parameters()}
+        self.model = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+        self.bytes, self.storages, self.hooks = 0, {}, None
+
+    def __enter__(self):
+        self.storages = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+
+    def pack(self, t):
+        storage, fn = t.untyped_storage(), t.grad_fn
+        while type(fn).__name__ in ("TBackward0", "ViewBackward0", "TransposeBackward0"):
+            fn = fn.next_functions[0][0]  # a matmul saves the copy's transpose: back to the copy
+        copied = (type(fn).__name__ == "ToCopyBackward0"
+                  and id(getattr(fn.next_functions[0][0], "variable", None)) in self.params)
+        if storage.data_ptr() not in self.model and not copied:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.bytes = sum(self.storages.values())
+
 CHECK_TAG = 3  # the stages' parameters sent to rank 0 for the check; the step's messages use 1 and 2
 
 
 # What the reference shares with the ranks, and why each is harmless: build_model and its classes
-# (the network), make_batch, torch's SGD and F.cross_entropy. Its own: the whole model on the whole
+# (the network), make_batch, autocast, torch's SGD and F.cross_entropy. Its own: the whole model on the whole
 # batch, no stage and no message. stage_of only cuts the trained reference to compare each rank's
 # stage with its part; the losses, from the uncut model, show a split that drops or repeats a layer.
 def reference_training(args):
@@ -395,7 +474,8 @@ def reference_training(args):
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with autocast(x.device, args.precision):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -435,9 +515,10 @@ def print_header(comm, args, run, stage, shapes, resumed):
            f"stages: {describe_split(args.layers, n)} | parameters per rank: "
            f"{' '.join(f'{k:,}' for k in stage_params)}",
            f"global batch {args.batch_size} sequences of {args.seq_len} characters, all through every "
-           f"rank in turn | between stages: {list(shapes['grad'][0]) if n > 1 else 'nothing'} float32")
+           f"rank in turn | between stages: {list(shapes['grad'][0]) if n > 1 else 'nothing'} "
+           f"{str(shapes['grad'][1]).removeprefix('torch.') if n > 1 else ''}".rstrip())
 
-def report(comm, args, run, stage, optimizer, losses, records, counted, diff, window):
+def report(comm, args, run, stage, optimizer, losses, records, counted, diff, window, saved):
     """The timelines, the busy share, memory and messages, the overlap; then finish() (the split of
     a step, the verdict, --json). Returns the exit status."""
     n, steps_run = comm.Get_size(), max(1, len(records))
@@ -454,7 +535,9 @@ def report(comm, args, run, stage, optimizer, losses, records, counted, diff, wi
     state_bytes = comm.allgather(sum(t.numel() * t.element_size() for s in optimizer.state.values()
                                      for t in s.values() if torch.is_tensor(t)))
     held, one_process = [sum(b) for b in zip(param_bytes, grad_bytes, state_bytes)], 3 * sum(param_bytes)
-    formula = 2 * (n - 1) * args.batch_size * args.seq_len * args.hidden * 4
+    e = 2 if args.precision == "bf16" else 4  # bytes per element of what crosses a boundary
+    formula = 2 * (n - 1) * args.batch_size * args.seq_len * args.hidden * e
+    kept, predicted = comm.allgather(saved.bytes), [activation_bytes(args, r, n) for r in range(n)]
     idle, m = statistics.mean(waits), 8  # m: pipeline_parallel.py's default micro-batches
     in_flight = [comm.allreduce(c) for c in sends_in_flight(run.timeline.step_events)]  # over the ranks: not counted
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f})",
@@ -472,7 +555,10 @@ def report(comm, args, run, stage, optimizer, losses, records, counted, diff, wi
              + " | ".join(f"{b / 1e6:.2f}" for b in comm.allgather(run.memory.bytes))
              + " MB: the states, the batch's activations, and the process's working memory",
              f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
-             f"2(N-1) x B x T x H x 4 = {formula:,} | no collective in the step",
+             f"2(N-1) x B x T x H x {e} = {formula:,} | no collective in the step",
+             f"activations kept for backward (--recompute {args.recompute}), measured per rank: "
+             f"{' | '.join(f'{k:,}' for k in kept)} bytes; the docstring's formula: "
+             f"{' | '.join(f'{k:,}' for k in predicted)}",
              f"pipeline_parallel.py cuts the batch into M micro-batches so that the ranks work at once: "
              f"with N = {n} and M = {m}, idle (N-1)/(M+N-1) = {100 * (n - 1) / (m + n - 1):.0f}% of the step "
              f"instead of (N-1)/N = {100 * (n - 1) / n:.0f}% here (measured: {100 * idle:.0f}% waiting); "
@@ -483,7 +569,8 @@ def report(comm, args, run, stage, optimizer, losses, records, counted, diff, wi
         "layer_split": layer_split(args.layers, n), "stage_params": [b // 4 for b in param_bytes],
         "busy_fraction": busy, "idle_fraction": waits, "busy_fraction_ideal": 1 / n,
         "param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": state_bytes,
-        "single_process_bytes": one_process, "overlap": {"sends_in_flight_during_compute": in_flight}})
+        "single_process_bytes": one_process, "activation_bytes_per_rank": kept,
+        "activation_bytes_formula": predicted, "overlap": {"sends_in_flight_during_compute": in_flight}})
 
 def draw_timeline(rows, length, columns, width):
     """One line per rank, [0, length) cut into equal cells: a cell shows the span over its middle,

@@ -139,38 +139,64 @@ def test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch(size, shape):
         assert max_everywhere(diff) < 1e-5
 
 
+def limit(precision):
+    return dp.TOLERANCE_BF16 if precision == "bf16" else dp.TOLERANCE
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("flags", [[], ["--sync-bn"], ["--accum-steps", "2", "--bucket-mb", "0.05"]])
-def test_training_steps_equal_the_single_process_reference(size, flags):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_steps_equal_the_single_process_reference(size, flags, precision):
     with sub_comm(size) as comm:
         diff = 0.0
         if comm is not None:
-            argv = ["--steps", "3", "--batch-size", "24"] + flags
+            argv = ["--steps", "3", "--batch-size", "24", "--precision", precision] + flags
             losses, model, _ = run_steps(comm, argv)
             ref_losses, ref_model = dp.reference_training(dp.parse_args(argv, size), [size] * 3, CPU)
             diff = dp.max_difference(losses, model.state_dict(), ref_losses, ref_model)
-        assert max_everywhere(diff) <= dp.TOLERANCE
+        assert max_everywhere(diff) <= limit(precision)
 
 
 @pytest.mark.mpi
-def test_the_check_catches_a_difference_just_above_its_tolerance():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_check_catches_a_difference_just_above_its_tolerance(precision):
     """A negative control: every parameter in turn, and one loss, moved by 1.5x the tolerance."""
     with sub_comm(2) as comm:
-        caught = True
+        caught, tolerance = True, limit(precision)
         if comm is not None:
-            argv = ["--steps", "2", "--batch-size", "8"]
+            argv = ["--steps", "2", "--batch-size", "8", "--precision", precision]
             losses, model, _ = run_steps(comm, argv)
             reference = dp.reference_training(dp.parse_args(argv, 2), [2, 2], CPU)
             state = model.state_dict()
-            caught = dp.max_difference(losses, state, *reference) <= dp.TOLERANCE
+            caught = dp.max_difference(losses, state, *reference) <= tolerance
             for name, t in state.items():
                 if t.is_floating_point():
-                    nudged = dict(state, **{name: t + 1.5 * dp.TOLERANCE * (torch.arange(t.numel()) == t.numel() // 2).view_as(t)})
-                    caught = caught and dp.max_difference(losses, nudged, *reference) > dp.TOLERANCE
-            caught = caught and dp.max_difference([losses[0], losses[1] + 1.5 * dp.TOLERANCE], state,
-                                                  *reference) > dp.TOLERANCE
+                    nudged = dict(state, **{name: t + 1.5 * tolerance * (torch.arange(t.numel()) == t.numel() // 2).view_as(t)})
+                    caught = caught and dp.max_difference(losses, nudged, *reference) > tolerance
+            caught = caught and dp.max_difference([losses[0], losses[1] + 1.5 * tolerance], state,
+                                                  *reference) > tolerance
         assert agree(caught)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_gradient_divided_once_more_by_n_fails_the_bf16_check(plant, monkeypatch):
+    """The planted bug: each bucket's sum divided by N twice (the mean's 1/N applied again), so
+    every step takes half the gradient at N = 2. In bf16 the check must see it above
+    TOLERANCE_BF16; the same run unplanted stays within it."""
+    if plant:
+        unflatten = dp.GradBuckets._unflatten
+        monkeypatch.setattr(dp.GradBuckets, "_unflatten",
+                            lambda self, params, flat: unflatten(self, params, flat / self.world_size))
+    with sub_comm(2) as comm:
+        diff = 0.0
+        if comm is not None:
+            argv = ["--steps", "3", "--batch-size", "24", "--precision", "bf16"]
+            losses, model, _ = run_steps(comm, argv)
+            diff = dp.max_difference(losses, model.state_dict(), *dp.reference_training(dp.parse_args(argv, 2), [2] * 3, CPU))
+        diff = max_everywhere(diff)
+        assert diff > dp.TOLERANCE_BF16 if plant else diff <= dp.TOLERANCE_BF16, diff
 
 
 @pytest.mark.mpi
@@ -223,13 +249,14 @@ def test_accumulation_steps_equal_one_larger_step():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("size", [2, 4])
-def test_replicas_start_identical_and_the_exchange_is_counted(size):
+@pytest.mark.parametrize("size, precision", [(2, "fp32"), (4, "fp32"), (4, "bf16")])
+def test_replicas_start_identical_and_the_exchange_is_counted(size, precision):
+    """In bf16 as in fp32: the gradients are float32, so the bucket holds G = 4P bytes."""
     with sub_comm(size) as comm:
         ok = True
         if comm is not None:
             steps = 2
-            _, model, grads = run_steps(comm, ["--steps", str(steps), "--batch-size", "8"])
+            _, model, grads = run_steps(comm, ["--steps", str(steps), "--batch-size", "8", "--precision", precision])
             grad_bytes = sum(p.numel() * 4 for p in model.parameters())
             # one bucket (25 MB default) per step, nothing else on the gradients' communicator
             ok = grads.calls == {"Iallreduce": steps} and grads.bytes == {"Iallreduce": steps * grad_bytes}
@@ -238,13 +265,16 @@ def test_replicas_start_identical_and_the_exchange_is_counted(size):
 
 
 @pytest.mark.mpi
-def test_sync_bn_moves_the_docstrings_bytes():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sync_bn_moves_the_docstrings_bytes(precision):
     """--sync-bn's exchange, counted at the MPI call, against the docstring: per BatchNorm layer of
-    C channels, 2C+1 float64 statistics forward and 2C float32 sums backward (LeNet: C = 6, 16, 120)."""
+    C channels, 2C+1 float64 statistics forward and 2C float32 sums backward (LeNet: C = 6, 16, 120),
+    in bf16 as in fp32 (BatchNorm takes its input in float32)."""
     with sub_comm(2) as comm:
         ok = True
         if comm is not None:
-            steps, args = 2, dp.parse_args(["--steps", "2", "--batch-size", "8", "--sync-bn"], 2)
+            steps = 2
+            args = dp.parse_args(["--steps", "2", "--batch-size", "8", "--sync-bn", "--precision", precision], 2)
             timeline = dp.Timeline(CPU)
             syncbn = dp.CountedComm(comm, timeline)
             model, optimizer, buckets = dp.replicate(args, dp.CountedComm(comm, timeline), CPU, syncbn)
@@ -269,6 +299,8 @@ def test_learning_rate_scaling_and_warmup():
     (["--device", "tpu"], 1, "--device must be auto, cpu or cuda"),
     (["--bucket-mb", "0"], 1, "--bucket-mb must be a positive number"),
     (["--no-such-flag"], 1, "unrecognized arguments"),
+    (["--recompute", "full"], 1, "LeNet-5 has no transformer blocks to recompute"),
+    (["--recompute", "selective"], 1, "LeNet-5 has no transformer blocks to recompute"),
 ])
 def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
     with pytest.raises(dp.ConfigError, match=words):
