@@ -71,6 +71,7 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
@@ -79,6 +80,7 @@ from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "sharded_data_parallel"
 TOLERANCE = 2e-5  # largest |difference| from one process (float32); measured (check()): 6.0e-7 to 2.4e-6
+TOLERANCE_BF16 = 1e-2  # provisional, being measured
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES, VOCAB = ("argparse", "textwrap", "shlex"), 128  # the text: these modules' source; ASCII codes
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01  # AdamW's, as in BERT; EPS: see check()
@@ -93,29 +95,33 @@ class FlatLayer:
     views into `whole`, so an all-gather into `whole` updates them. Stage 3 frees `whole` between
     uses, and `state` says where it is: "whole", "gathering" (an all-gather in flight) or "free"."""
 
-    def __init__(self, module, comm, stage, device):
+    def __init__(self, module, comm, stage, device, dtype=torch.float32):
         self.params = list(module.parameters())
         world_size, rank = comm.Get_size(), comm.Get_rank()
         self.numel = sum(p.numel() for p in self.params)
         self.padded = -(-self.numel // world_size) * world_size
         self.size = self.padded // world_size
         self.mine = slice(rank * self.size, (rank + 1) * self.size)
-        self.whole = torch.zeros(self.padded, device=device)
-        for p, view in zip(self.params, self.views(self.whole)):
+        master = torch.zeros(self.padded, device=device)  # float32: the weights the optimizer updates
+        for view, p in zip(self.views(master), self.params):
             view.copy_(p.detach())
+        # What forward and backward use, `dtype` (float32, or bf16: ZeRO's 2-byte parameters)
+        self.whole = master.to(dtype)  # float32: master itself, no copy
+        for p, view in zip(self.params, self.views(self.whole)):
             p.data = view
-        # What the optimizer updates: in stages 1 and 2 a view into the whole vector (the
-        # all-gather after the step then runs in place); in stage 3 all this rank keeps.
-        self.partition = self.whole[self.mine].clone() if stage == 3 else self.whole[self.mine]
-        # The whole gradient as one flat vector, autograd adding into views of it: stage 1 keeps
-        # it, and the reduce-scatter's sum of my part lands in my part of it; stages 2 and 3
+        # What the optimizer updates, this rank's float32 partition: in float32 at stages 1 and 2 a
+        # view into the whole vector (the all-gather after the step then runs in place); else a
+        # copy of its own (stage 3 keeps no whole vector; bf16's is a rounded copy of the masters).
+        self.partition = master[self.mine] if stage < 3 and dtype == torch.float32 else master[self.mine].clone()
+        # The whole gradient as one flat float32 vector, gradients adding into views of it: stage 1
+        # keeps it, and the reduce-scatter's sum of my part lands in my part of it; stages 2 and 3
         # hold it only from the layer's first gradient to its reduce-scatter (see ZeRO).
         self.grad_whole, self.state, self.request = None, "whole", None
         if stage == 1:
             self.grad_whole = torch.zeros(self.padded, device=device)
             self.partition.grad = self.grad_whole[self.mine]
             for p, view in zip(self.params, self.views(self.grad_whole)):
-                p.grad = view
+                p.grad = view if dtype == torch.float32 else None  # bf16: ZeRO adds it in
         else:  # stages 2 and 3 keep their partition of the gradient alone
             self.partition.grad = torch.zeros(self.size, device=device)
         if stage == 3:
@@ -129,7 +135,7 @@ class FlatLayer:
     def gather(self, comm):
         """Stage 3: give `whole` its memory back and start the all-gather that refills it."""
         self.whole.untyped_storage().resize_(self.padded * self.whole.element_size())
-        self.whole[self.mine] = self.partition.detach()  # this rank's part; MPI brings the rest
+        self.whole[self.mine] = self.partition.detach()  # this rank's part (bf16: rounded); MPI brings the rest
         self.buffer = mpi_buffer(self.whole, nonblocking=True)
         self.request, self.state = comm.Iallgather(MPI.IN_PLACE, self.buffer), "gathering"
 
@@ -156,20 +162,21 @@ class ZeRO:
     backward; then as stage 2. Spans named after the layer ("gather 3", "before forward 3") show
     what was prefetched."""
 
-    def __init__(self, model, comm, stage, lr, device, timeline, overlap=True):
+    def __init__(self, model, comm, stage, lr, device, timeline, overlap=True, dtype=torch.float32):
         self.comm, self.stage, self.world_size, self.device = comm, stage, comm.Get_size(), device
-        self.timeline, self.overlap = timeline, overlap
-        self.layers = [FlatLayer(m, comm, stage, device) for m in model.layers]
+        self.timeline, self.overlap, self.in_backward = timeline, overlap, False
+        self.layers = [FlatLayer(m, comm, stage, device, dtype) for m in model.layers]
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, betas=BETAS, eps=EPS,
                                            weight_decay=WEIGHT_DECAY)
         # arrived: gradients in, per layer; in_flight: the reduce-scatter under way (a layer's whole
         # gradient, its buffers and request); deferred: --no-overlap's layers waiting for backward's end
         self.arrived, self.in_flight, self.deferred = [0] * len(self.layers), None, []
         for i, (layer, module) in enumerate(zip(self.layers, model.layers)):
-            if stage >= 2:
-                for p in layer.params:
+            for k, p in enumerate(layer.params):
+                if stage >= 2:
                     p.register_hook(lambda grad, i=i: self._grad_arriving(i))
-                    p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+                if stage >= 2 or dtype != torch.float32:
+                    p.register_post_accumulate_grad_hook(lambda p, i=i, k=k: self._grad_ready(i, k, p))
             if stage == 3:
                 module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
                 module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
@@ -186,7 +193,9 @@ class ZeRO:
             for layer in self.layers:
                 layer.grad_whole.zero_()  # autograd adds into it
         with self.timeline.span("compute", "backward"):
+            self.in_backward = True  # what autograd saves from here on is recomputed, not kept
             loss.backward()
+            self.in_backward = False
         if self.stage == 1:
             for layer in reversed(self.layers):  # into a buffer of its own: not in place, which
                 received = torch.empty(layer.size, device=self.device)  # some CUDA-aware MPIs break
@@ -208,6 +217,8 @@ class ZeRO:
         self.optimizer.step()
         if self.stage < 3:
             for layer in self.layers:
+                if layer.whole.dtype != layer.partition.dtype:  # bf16: the masters rounded, gathered
+                    layer.whole[layer.mine] = layer.partition.detach()
                 buffer = mpi_buffer(layer.whole)
                 self.comm.Allgather(MPI.IN_PLACE, buffer)
                 from_mpi(layer.whole, buffer)
@@ -220,10 +231,17 @@ class ZeRO:
         if layer.grad_whole is None:
             layer.grad_whole = torch.zeros(layer.padded, device=self.device)
             for p, view in zip(layer.params, layer.views(layer.grad_whole)):
-                p.grad = view
+                p.grad = view if p.dtype == view.dtype else None  # bf16: _grad_ready adds it in
 
-    def _grad_ready(self, i):
+    def _grad_ready(self, i, k, p):
+        """Parameter k of layer i has its gradient. In bf16 autograd gave it in the parameter's
+        dtype: added here, in float32, into the whole gradient (as FSDP's mixed precision does)."""
         layer = self.layers[i]
+        if p.grad is not None and p.grad.dtype != layer.grad_whole.dtype:
+            layer.views(layer.grad_whole)[k].add_(p.grad)
+            p.grad = None
+        if self.stage == 1:
+            return
         self.arrived[i] += 1
         if self.arrived[i] == len(layer.params):  # the layer's whole gradient is in
             for p in layer.params:
@@ -322,9 +340,9 @@ def from_mpi(t, buffer):
     return t
 
 
-def train_step(model, zero, x, y, timeline):
-    with timeline.span("compute", "forward"):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+def train_step(model, zero, x, y, timeline, bf16=False):
+    with timeline.span("compute", "forward"), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())  # the loss in float32
     zero.backward(loss)  # backward, then what the gradient exchange has left to do
     with timeline.span("compute", "optimizer"):
         zero.step()
@@ -335,13 +353,20 @@ def train_step(model, zero, x, y, timeline):
 # The model: the GPT of tensor_parallel.py as a list of layers, without the key bias
 # -----------------------------------------------------------------------------
 def attend(q, k, v, heads):
-    """Causal self-attention of `heads` heads."""
+    """Causal self-attention of `heads` heads: attention's core, the scores, their mask and
+    softmax (in float32: on the CPU autocast would leave it in bf16), times V."""
     b, t, c = q.shape
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(c // heads)
     future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
     weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     return (weights @ v).transpose(1, 2).reshape(b, t, c)
+
+
+def layer_norm(norm, x):
+    """norm(x) with its statistics and parameters in float32, whatever their dtype (ZeRO's bf16
+    parameters; on the CPU autocast would run it in its input's dtype)."""
+    return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
 
 
 class Embedding(nn.Module):
@@ -349,8 +374,9 @@ class Embedding(nn.Module):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
 
-    def forward(self, idx):
-        return self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+    def forward(self, idx):  # the residual stream in float32, as autocast leaves it
+        positions = torch.arange(idx.size(1), device=idx.device)
+        return self.tokens(idx).float() + self.positions(positions).float()
 
 
 class Block(nn.Module):
@@ -359,9 +385,9 @@ class Block(nn.Module):
     rounding noise in float32, which Adam turns into full steps: summing 4 slices instead of one
     batch moved it by 6e-4 in 100 steps, every other parameter by less than 1e-6."""
 
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden, heads, recompute="none"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.recompute = heads, recompute
         self.ln1, self.q = nn.LayerNorm(hidden), nn.Linear(hidden, hidden)
         self.k, self.v = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden)
         self.proj = nn.Linear(hidden, hidden)
@@ -369,9 +395,19 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
-        a = self.ln1(x)
-        x = x + self.proj(attend(self.q(a), self.k(a), self.v(a), self.heads))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        if self.recompute == "full":  # autograd keeps x alone; backward reruns the block first
+            return checkpoint(self.body, x, use_reentrant=True)
+        return self.body(x)
+
+    def body(self, x):
+        a = layer_norm(self.ln1, x)
+        q, k, v = self.q(a), self.k(a), self.v(a)
+        if self.recompute == "selective":  # keeps q, k, v; backward reruns the core (t x t)
+            core = checkpoint(attend, q, k, v, self.heads, use_reentrant=True)
+        else:
+            core = attend(q, k, v, self.heads)
+        x = x + self.proj(core)
+        return x + self.fc2(F.gelu(self.fc1(layer_norm(self.ln2, x))))
 
 
 class Head(nn.Module):
@@ -380,16 +416,16 @@ class Head(nn.Module):
         self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
 
     def forward(self, x):
-        return self.out(self.norm(x))
+        return self.out(layer_norm(self.norm, x))
 
 
 class GPT(nn.Module):
     """Embeddings, --layers blocks, final LayerNorm and untied head: the layers ZeRO flattens."""
 
-    def __init__(self, layers, hidden, heads, seq_len):
+    def __init__(self, layers, hidden, heads, seq_len, recompute="none"):
         super().__init__()
-        self.layers = nn.ModuleList([Embedding(hidden, seq_len)]
-                                    + [Block(hidden, heads) for _ in range(layers)] + [Head(hidden)])
+        self.layers = nn.ModuleList([Embedding(hidden, seq_len)] + [Block(hidden, heads, recompute)
+                                                                    for _ in range(layers)] + [Head(hidden)])
 
     def forward(self, idx):
         x = idx
@@ -398,10 +434,10 @@ class GPT(nn.Module):
         return x
 
 
-def build_model(args):
+def build_model(args, recompute=None):
     """The full model from the seed, on the CPU: the same network at every world size."""
     torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
+    model = GPT(args.layers, args.hidden, args.heads, args.seq_len, recompute or args.recompute)
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
@@ -413,8 +449,8 @@ def build_model(args):
 def shard_model(args, comm, device, timeline):
     """The full model from the seed on every rank's CPU; ZeRO keeps on the device what this
     stage keeps. Returns the model (its parameters views into ZeRO's flat vectors) and ZeRO."""
-    model = build_model(args)
-    return model, ZeRO(model, comm, args.zero_stage, args.lr, device, timeline, not args.no_overlap)
+    model, dtype = build_model(args), torch.bfloat16 if args.precision == "bf16" else torch.float32
+    return model, ZeRO(model, comm, args.zero_stage, args.lr, device, timeline, not args.no_overlap, dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -454,7 +490,8 @@ def train(args, comm, device, model, zero, timeline, activations, past=(), confi
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         with activations:
-            losses.append(train_step(model, zero, x[mine].to(device), y[mine].to(device), timeline))
+            losses.append(train_step(model, zero, x[mine].to(device, copy=True), y[mine].to(device, copy=True),
+                                     timeline, args.precision == "bf16"))  # copies: autograd keeps b s, not B s
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
@@ -508,25 +545,36 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # (the network), make_batch, F.cross_entropy and torch's AdamW with the same hyperparameters.
 # AdamW acts element by element, which is what lets ZeRO step a partition alone; the reference
 # steps each parameter whole, so the flat vectors, their padding and partitions, the
-# reduce-scatters, the gathers and the division by N (FlatLayer, ZeRO) are the ranks' alone. The
-# comparison reads each parameter through the view the ranks trained, so it sees their values.
+# reduce-scatters, the gathers and the division by N (FlatLayer, ZeRO) are the ranks' alone. bf16:
+# the reference rounds a copy of its model (.to(bfloat16)); the ranks' bf16 views, their masters
+# and the float32 sum of bf16 gradients are theirs alone. The comparison reads each parameter of
+# the gathered masters through the views the ranks use, so it sees the values they trained.
 def reference_training(args):
-    """The same steps in one plain process on the CPU: the plain model, AdamW, the whole batch."""
-    model = build_model(args)
+    """The same steps in one plain process on the CPU: the plain model (no recomputation), AdamW,
+    the whole batch. bf16: mixed precision's recipe, a bf16 copy of the model (`working`) computes
+    forward and backward under autocast; its gradients, in float32, step the float32 model."""
+    model, bf16 = build_model(args, recompute="none"), args.precision == "bf16"
+    working = build_model(args, recompute="none").to(torch.bfloat16) if bf16 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
                                   weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        optimizer.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(working(x).float().flatten(0, 1), y.flatten())
+        working.zero_grad()
         loss.backward()
+        for p, w in zip(model.parameters(), working.parameters()):
+            p.grad = w.grad.float()  # float32: the same tensor
         optimizer.step()
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), working.parameters()) if bf16 else ():
+                w.copy_(p)  # rounded to nearest, as the ranks round their masters
         losses.append(loss.item())
     return losses, model
 
 def check(comm, args, losses, zero, model):
-    """Every rank's whole parameters (stage 3 gathers them on the plain communicator, uncounted);
+    """Every rank's float32 masters, gathered from the partitions on the plain communicator (uncounted);
     rank 0 trains the reference on the CPU and compares; every rank gets the largest difference.
     Only float32 sums are reordered (each rank's gradient is that of its slice, then summed), but
     Adam divides each gradient by its own size, which amplifies rounding. Summing the slices'
@@ -536,12 +584,10 @@ def check(comm, args, losses, zero, model):
     eps 1e-8 one weight in 200k moved by 5e-5 in the first step (a step changes by up to
     lr x delta / eps for a change delta of its gradient), hence EPS 1e-6."""
     full = {}
-    for layer in zero.layers:
-        whole = layer.whole.cpu()
-        if zero.stage == 3:
-            whole = torch.zeros(layer.padded)
-            whole[layer.mine] = layer.partition.detach().cpu()
-            comm.Allgather(MPI.IN_PLACE, whole)
+    for layer in zero.layers:  # the float32 masters: each rank's partition
+        whole = torch.zeros(layer.padded)
+        whole[layer.mine] = layer.partition.detach().cpu()
+        comm.Allgather(MPI.IN_PLACE, whole)
         full.update((p, view.clone()) for p, view in zip(layer.params, layer.views(whole)))
     state, diff = {name: full[p] for name, p in model.named_parameters()}, None
     if comm.Get_rank() == 0:
@@ -553,22 +599,27 @@ def check(comm, args, losses, zero, model):
 
 class ActivationMeter(torch.autograd.graph.saved_tensors_hooks):
     """The activations, measured: `with meter:` around a step counts each tensor autograd saves
-    for backward, by storage, from the moment it is saved until autograd lets go of it; the
-    layers' whole parameter vectors left out (parameters, gathered layers). peak: the most at once."""
+    for backward, by storage, from the moment it is saved until autograd lets go of it; left out:
+    the layers' whole vectors (parameters, gathered layers) and copies made of a parameter (bf16:
+    LayerNorm's float32 weights; a copy's grad_fn is ToCopyBackward0 fed by the parameter's
+    AccumulateGrad). kept: the most saved in forward, what waits for backward; peak: the most at
+    once in the step, recomputation in backward included."""
 
     def __init__(self, zero):
-        self.zero, self.live, self.peak, self.refs = zero, 0, 0, collections.Counter()
+        self.zero, self.live, self.peak, self.kept, self.refs = zero, 0, 0, 0, collections.Counter()
         super().__init__(self.pack, lambda saved: saved)
 
     def pack(self, t):
-        storage = t.untyped_storage()
+        storage, fn = t.untyped_storage(), t.grad_fn
         pointer, size = storage.data_ptr(), storage.nbytes()
-        if any(pointer == layer.whole.untyped_storage().data_ptr() for layer in self.zero.layers):
+        if any(pointer == layer.whole.untyped_storage().data_ptr() for layer in self.zero.layers) or (
+                type(fn).__name__ == "ToCopyBackward0" and type(fn.next_functions[0][0]).__name__ == "AccumulateGrad"):
             return t
         saved = t.detach()  # what autograd keeps: its finalizer runs when autograd lets go
         self.refs[pointer] += 1
         self.live += size if self.refs[pointer] == 1 else 0
         self.peak = max(self.peak, self.live)
+        self.kept = self.kept if self.zero.in_backward else max(self.kept, self.live)
         weakref.finalize(saved, self.release, pointer, size)
         return saved
 
@@ -582,13 +633,14 @@ def memory_formula(zero, activations):
     """The docstring's bytes per rank at the peak of a step, Psi counting the padding: the model
     states, the transient whole layers (W each: gathered; whole gradients) and the activations
     as measured. Without overlap stages 2 and 3 hold every whole gradient until backward ends,
-    and stage 3 gathers one layer at a time."""
+    and stage 3 gathers one layer at a time. e: bytes of a parameter as computed with (4; bf16 2,
+    and then every stage keeps its float32 masters, 4 Psi / N, apart)."""
     sizes, n, stage = [layer.padded for layer in zero.layers], zero.world_size, zero.stage
-    psi, w = sum(sizes), 4 * max(a + b for a, b in zip(sizes, sizes[1:]))
-    formula = {"parameters": 4 * psi if stage < 3 else 4 * psi // n,
+    psi, pair, e = sum(sizes), max(a + b for a, b in zip(sizes, sizes[1:])), zero.layers[0].whole.element_size()
+    formula = {"parameters": (e * psi if stage < 3 else 0) + (4 * psi // n if stage == 3 or e == 2 else 0),
                "gradients": 4 * psi if stage == 1 else 4 * psi // n, "optimizer": 8 * psi // n,
-               "gathered": 0 if stage < 3 else w if zero.overlap else 4 * max(sizes),
-               "whole_gradients": 0 if stage == 1 else w if zero.overlap else 4 * psi,
+               "gathered": 0 if stage < 3 else e * pair if zero.overlap else e * max(sizes),
+               "whole_gradients": 0 if stage == 1 else 4 * pair if zero.overlap else 4 * psi,
                "activations": activations}
     return {**formula, "total": sum(formula.values())}
 
@@ -636,8 +688,9 @@ def report(comm, args, run, zero, losses, records, counted, activations, diff):
     calls = {k: v / steps_run for k, v in counted.calls.items()}
     volume = {k: v / steps_run for k, v in counted.bytes.items()}
     psi = sum(layer.padded for layer in zero.layers)
-    vectors = 2 if stage < 3 else 3  # reduce-scatter + all-gather; stage 3 gathers twice
-    ring = vectors * (world_size - 1) / world_size * 4 * psi
+    e, gathers = zero.layers[0].whole.element_size(), 1 if stage < 3 else 2  # stage 3 gathers twice
+    moved = (4 + gathers * e) * psi  # reduce-scatter in float32, all-gathers in the parameters' dtype
+    ring = (world_size - 1) / world_size * moved
     every = comm.allgather(live_tensor_bytes(zero))  # the same on every rank: so is S
     live = {kind: max(m[kind] for m in every) for kind in every[0]}
     formula = memory_formula(zero, max(comm.allgather(activations.peak)))
@@ -645,20 +698,21 @@ def report(comm, args, run, zero, losses, records, counted, activations, diff):
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
-             + f"; formula {vectors} x 4 Psi = {vectors * 4 * psi:,} bytes (Psi = {psi:,} with padding); "
-             f"a ring moves (N-1)/N of that per rank, {ring:,.0f}: "
-             + ("what an allreduce of the gradients moves" if stage < 3 else "1.5 x an allreduce"),
+             + f"; formula 4 Psi + {gathers} x {e} Psi = {moved:,} bytes (Psi = {psi:,} with padding); a ring "
+             f"moves (N-1)/N of that per rank, {ring:,.0f}, {ring / (8 * psi * (world_size - 1) / world_size or 1):g}"
+             f" x a float32 allreduce of the gradients",
              f"memory per rank at the peak of a step: measured {peak / 1e6:.2f} MB (the largest rank), formula "
              f"{formula['total'] / 1e6:.2f} MB = " + " + ".join(f"{k} {v / 1e6:.2f}" for k, v in formula.items()
                                                                 if k != "total")
-             + f" (activations measured); plain data parallelism: 16 Psi + activations = "
-             f"{(16 * psi + formula['activations']) / 1e6:.2f} MB",
+             + f" (activations measured); plain data parallelism: {16 if e == 4 else 18} Psi + activations = "
+             f"{((16 if e == 4 else 18) * psi + formula['activations']) / 1e6:.2f} MB",
              "live tensors after the last step: " + " | ".join(f"{k} {v:,}" for k, v in live.items()) + " bytes"]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "zero_stage": stage, "param_count": sum(layer.numel for layer in zero.layers),
         "padded_param_count": psi, "memory_bytes_formula": formula, "live_bytes_after_last_step": live,
-        "comm_bytes_formula": vectors * 4 * psi, "ring_bytes_per_rank": ring, "collectives_by_kind": calls,
+        "comm_bytes_formula": moved, "ring_bytes_per_rank": ring, "collectives_by_kind": calls,
+        "activation_bytes_per_rank": comm.allgather(activations.kept),
         "overlap": overlap_counts(zero, run.timeline.step_events)})
 
 def parse_args(argv, world_size):
