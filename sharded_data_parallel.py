@@ -21,23 +21,47 @@ padded with zeros to a multiple of N; rank r owns partition r of every layer, an
                                                      reduce-scatter as in stage 2; the next layer's
                                                      gather starts while this one computes
 
-Memory per rank at the peak of a step, for Psi parameters (padding included) in float32 with AdamW
-(4 bytes of parameter, 4 of gradient, 8 of moments each; plain data parallelism: 16 Psi + A):
-  stage 1: 8 Psi + 8 Psi / N + A         A: the activations autograd saves for backward (B/N samples)
-  stage 2: 4 Psi + 12 Psi / N + W + A    W: 4 bytes x the largest two neighbouring layers
-  stage 3: 16 Psi / N + 2 W + A
-W is transient, held only during a step: stage 3 gathers a layer before it computes and the next
-one while it does; stages 2 and 3 hold a layer's whole gradient from its first gradient in
-backward until its reduce-scatter completes, two at most (the one backward fills, one in flight).
-The paper counts mixed precision (2 + 2 + 12 bytes: 16-bit parameters and gradients, a 32-bit
-master copy and moments): stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N, stage 3 16 Psi / N.
+Memory per rank at the peak of a step, for Psi parameters (padding included), with AdamW:
+            float32 (4 + 4 + 8 bytes)     bf16 (2 + 4 + 12 bytes)
+  plain DP  16 Psi + A                    18 Psi + A           A: the activations autograd keeps
+  stage 1   8 Psi + 8 Psi / N + A         6 Psi + 12 Psi / N + A     for backward (B/N samples)
+  stage 2   4 Psi + 12 Psi / N + W + A    2 Psi + 16 Psi / N + W + A   W: 4 bytes x the largest
+  stage 3   16 Psi / N + 2 W + A          16 Psi / N + 1.5 W + A       two neighbouring layers
+W is transient: stage 3 gathers a layer before it computes and the next one while it does (W;
+bf16 W / 2); stages 2 and 3 hold a layer's whole gradient from its first gradient in backward to
+its reduce-scatter's end, two at most (W). bf16 is Megatron's count (bf16 weights, float32
+gradients: 18 Psi; 6 Psi + 12 Psi / N with the optimizer sharded); the paper's has 2-byte
+gradients: stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N.
+
+Mixed precision, --precision bf16: each layer's whole vector, what forward and backward compute
+with, is bf16 (ZeRO's 2-byte parameters); every stage keeps this rank's partition apart as a
+float32 master (4 Psi / N) that AdamW steps and rounds into its part of the whole vector. Autocast
+casts each activation to bf16 as a matmul takes it; LayerNorm, softmax, the loss and the residual
+stream stay float32 (.float(): on the CPU autocast leaves them in their input's dtype). Gradients
+leave backward in bf16, the parameters' dtype (as in FSDP's mixed precision), and are added into
+the float32 whole gradient and reduce-scattered in float32, as Megatron does: MPI has no bf16 sum
+(a bf16 buffer moves through MPICH's Allgather, but Allreduce with MPI.SUM on it fails), and N
+ranks' small contributions summed in bf16 round away; bf16 would halve their bytes and memory.
 
 Communication per step, for G = 4 Psi bytes: stages 1 and 2 reduce-scatter the gradients and
-all-gather the parameters, one call of each per layer, G bytes of vectors each. A ring moves
-(N-1)/N of a vector in and out of each rank: 2(N-1)/N x G, what an allreduce of the gradients
-moves (a ring allreduce is a reduce-scatter then an all-gather). Stage 3 all-gathers twice
-(before forward, before backward) and reduce-scatters once: 3(N-1)/N x G, 1.5 times that.
+all-gather the parameters, one call of each per layer; a ring moves (N-1)/N of each vector in and
+out of each rank: 2(N-1)/N x G, what an allreduce (a reduce-scatter, then an all-gather) moves.
+Stage 3 all-gathers twice (before forward and backward): 3(N-1)/N x G, 1.5 times that. bf16: the
+reduce-scatter float32 (G), each all-gather bf16 (G / 2): 1.5 G, stage 3 2 G, x (N-1)/N.
 --no-overlap, the baseline: stages 2 and 3 reduce-scatter after backward, stage 3 never prefetches.
+
+A, for b = B/N sequences of s characters, hidden h, a heads, L blocks, V = 128: 8bs + 8s (indices),
+the head's 8bsh (bf16 6bsh) + 16bs + 4bsV + 4 (LayerNorm, float32 logits, targets), L blocks of
+  --recompute   float32                          bf16
+  none          64bsh + 16bs + 4abs^2 + s^2      40bsh + 16bs + 6abs^2 + s^2
+  selective     64bsh + 16bs                     40bsh + 16bs        full: 4bsh (float32 input)
+none: LayerNorms' float32 inputs (16bs of statistics), the matmuls' inputs (bf16: LayerNorm's
+output cast for q, k and v each), q, k, v, the MLP's two 4h-wide; the s^2 core: the float32 softmax
+(bf16: and its cast), the mask. selective reruns the core in backward (Korthikanti et al. 2022),
+full each block: one more forward. Both by checkpoint(fn, ..., use_reentrant=True): it keeps fn's
+inputs with save_for_backward, where saved-tensor hooks measure them (the other form hides them),
+runs fn without autograd, and in backward reruns it under forward's autocast and backpropagates
+(stage 3: through the layer gathered for backward, so no more bytes move).
 
 The network: the GPT of tensor_parallel.py without the key bias (see Block), trained with AdamW
 on the standard library's argparse.py, textwrap.py and shlex.py (bytes >= 128 replaced by '?').
@@ -90,47 +114,33 @@ BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01  # AdamW's, as in BERT; EPS:
 # The strategy: each rank owns 1/N of every layer's flat parameter vector, and steps only it
 # -----------------------------------------------------------------------------
 class FlatLayer:
-    """A layer's parameters as one flat vector `whole`, padded with zeros to a multiple of N. Rank
-    r's partition is elements [r S, (r + 1) S), S = padded / N. The module's parameters become
-    views into `whole`, so an all-gather into `whole` updates them. Stage 3 frees `whole` between
-    uses, and `state` says where it is: "whole", "gathering" (an all-gather in flight) or "free"."""
+    """A layer's parameters as one flat vector `whole`, padded with zeros to a multiple of N; rank r's
+    partition: elements [r S, (r + 1) S), S = padded / N. The module's parameters become views into
+    `whole`, which stage 3 frees between uses: `state` "whole", "gathering" (in flight) or "free"."""
 
     def __init__(self, module, comm, stage, device, dtype=torch.float32):
-        self.params = list(module.parameters())
-        world_size, rank = comm.Get_size(), comm.Get_rank()
+        self.params, world_size, rank = list(module.parameters()), comm.Get_size(), comm.Get_rank()
         self.numel = sum(p.numel() for p in self.params)
-        self.padded = -(-self.numel // world_size) * world_size
-        self.size = self.padded // world_size
-        self.mine = slice(rank * self.size, (rank + 1) * self.size)
-        master = torch.zeros(self.padded, device=device)  # float32: the weights the optimizer updates
-        for view, p in zip(self.views(master), self.params):
-            view.copy_(p.detach())
-        # What forward and backward use, `dtype` (float32, or bf16: ZeRO's 2-byte parameters)
-        self.whole = master.to(dtype)  # float32: master itself, no copy
+        self.size = -(-self.numel // world_size)  # a partition: the layer, padded to a multiple of N, / N
+        self.padded, self.mine = self.size * world_size, slice(rank * self.size, (rank + 1) * self.size)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        master = F.pad(flat, (0, self.padded - self.numel)).to(device)  # float32: the weights AdamW updates
+        self.whole = master.to(dtype)  # what forward and backward use (float32: master itself)
         for p, view in zip(self.params, self.views(self.whole)):
             p.data = view
-        # What the optimizer updates, this rank's float32 partition: in float32 at stages 1 and 2 a
-        # view into the whole vector (the all-gather after the step then runs in place); else a
-        # copy of its own (stage 3 keeps no whole vector; bf16's is a rounded copy of the masters).
+        # What AdamW steps, this rank's float32 partition: in float32 at stages 1 and 2 a view into
+        # `whole` (the all-gather then runs in place); else its own (stage 3 frees `whole`; bf16 rounds)
         self.partition = master[self.mine] if stage < 3 and dtype == torch.float32 else master[self.mine].clone()
-        # The whole gradient as one flat float32 vector, gradients adding into views of it: stage 1
-        # keeps it, and the reduce-scatter's sum of my part lands in my part of it; stages 2 and 3
-        # hold it only from the layer's first gradient to its reduce-scatter (see ZeRO).
+        # Stage 1 keeps a whole float32 gradient (the sum of my part lands in my part of it, AdamW's
+        # gradient); stages 2 and 3 keep their part alone, and the whole one briefly (see ZeRO)
         self.grad_whole, self.state, self.request = None, "whole", None
         if stage == 1:
             self.grad_whole = torch.zeros(self.padded, device=device)
-            self.partition.grad = self.grad_whole[self.mine]
             for p, view in zip(self.params, self.views(self.grad_whole)):
                 p.grad = view if dtype == torch.float32 else None  # bf16: ZeRO adds it in
-        else:  # stages 2 and 3 keep their partition of the gradient alone
-            self.partition.grad = torch.zeros(self.size, device=device)
+        self.partition.grad = self.grad_whole[self.mine] if stage == 1 else torch.zeros(self.size, device=device)
         if stage == 3:
             self.free()
-
-    def views(self, flat):
-        """Views into a flat vector of this layer, one shaped like each parameter, in order."""
-        pieces = flat[:self.numel].split([p.numel() for p in self.params])
-        return [piece.view_as(p) for piece, p in zip(pieces, self.params)]
 
     def gather(self, comm):
         """Stage 3: give `whole` its memory back and start the all-gather that refills it."""
@@ -144,6 +154,11 @@ class FlatLayer:
         from_mpi(self.whole, self.buffer)
         self.request, self.buffer, self.state = None, None, "whole"
 
+    def views(self, flat):
+        """Views into a flat vector of this layer, one shaped like each parameter, in order."""
+        pieces = flat[:self.numel].split([p.numel() for p in self.params])
+        return [piece.view_as(p) for piece, p in zip(pieces, self.params)]
+
     def free(self):
         """Give back the whole vector's memory. The views (and autograd's saved tensors, views
         too) keep their shapes, and see the values again once the next gather refills it."""
@@ -153,14 +168,13 @@ class FlatLayer:
 
 class ZeRO:
     """AdamW on this rank's partitions, and the exchange of ZeRO stage 1, 2 or 3 around it.
-    Stage 1: backward adds into whole gradients; then per layer a Reduce_scatter_block leaves
-    each rank the sum of its partition, AdamW steps it, and an Allgather brings back every partition.
+    Stage 1: backward adds into whole gradients; then per layer a Reduce_scatter_block leaves each
+    rank the sum of its partition, AdamW steps it, and an Allgather brings back every partition.
     Stage 2: a layer's first gradient allocates its whole gradient; a post-accumulate-grad hook
-    counts them, and when the last is in, the layer's Ireduce_scatter_block starts while backward
-    carries on with earlier layers. Stage 3: forward hooks all-gather a layer before its forward
-    (and start the next one's) and free it after; a hook on its output gathers it again before its
-    backward; then as stage 2. Spans named after the layer ("gather 3", "before forward 3") show
-    what was prefetched."""
+    counts them, and with the last the layer's Ireduce_scatter_block starts while backward goes on.
+    Stage 3: forward hooks all-gather a layer before its forward (and start the next one's) and
+    free it after; a hook on its output gathers it again before its backward; then as stage 2.
+    Spans named after the layer ("gather 3", "before forward 3") show what was prefetched."""
 
     def __init__(self, model, comm, stage, lr, device, timeline, overlap=True, dtype=torch.float32):
         self.comm, self.stage, self.world_size, self.device = comm, stage, comm.Get_size(), device
@@ -234,8 +248,7 @@ class ZeRO:
                 p.grad = view if p.dtype == view.dtype else None  # bf16: _grad_ready adds it in
 
     def _grad_ready(self, i, k, p):
-        """Parameter k of layer i has its gradient. In bf16 autograd gave it in the parameter's
-        dtype: added here, in float32, into the whole gradient (as FSDP's mixed precision does)."""
+        """Parameter k of layer i has its gradient; bf16's is added here into the float32 whole one."""
         layer = self.layers[i]
         if p.grad is not None and p.grad.dtype != layer.grad_whole.dtype:
             layer.views(layer.grad_whole)[k].add_(p.grad)
@@ -353,8 +366,7 @@ def train_step(model, zero, x, y, timeline, bf16=False):
 # The model: the GPT of tensor_parallel.py as a list of layers, without the key bias
 # -----------------------------------------------------------------------------
 def attend(q, k, v, heads):
-    """Causal self-attention of `heads` heads: attention's core, the scores, their mask and
-    softmax (in float32: on the CPU autocast would leave it in bf16), times V."""
+    """Causal self-attention of `heads` heads: attention's core (softmax in float32)."""
     b, t, c = q.shape
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
     scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(c // heads)
@@ -364,8 +376,7 @@ def attend(q, k, v, heads):
 
 
 def layer_norm(norm, x):
-    """norm(x) with its statistics and parameters in float32, whatever their dtype (ZeRO's bf16
-    parameters; on the CPU autocast would run it in its input's dtype)."""
+    """norm(x) with its statistics and parameters in float32, whatever their dtype."""
     return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
 
 
@@ -375,8 +386,7 @@ class Embedding(nn.Module):
         self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
 
     def forward(self, idx):  # the residual stream in float32, as autocast leaves it
-        positions = torch.arange(idx.size(1), device=idx.device)
-        return self.tokens(idx).float() + self.positions(positions).float()
+        return self.tokens(idx).float() + self.positions(torch.arange(idx.size(1), device=idx.device)).float()
 
 
 class Block(nn.Module):
@@ -388,11 +398,9 @@ class Block(nn.Module):
     def __init__(self, hidden, heads, recompute="none"):
         super().__init__()
         self.heads, self.recompute = heads, recompute
-        self.ln1, self.q = nn.LayerNorm(hidden), nn.Linear(hidden, hidden)
-        self.k, self.v = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
+        self.ln1, self.q, self.k = nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden, bias=False)
+        self.v, self.proj = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
         if self.recompute == "full":  # autograd keeps x alone; backward reruns the block first
@@ -550,13 +558,11 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # and the float32 sum of bf16 gradients are theirs alone. The comparison reads each parameter of
 # the gathered masters through the views the ranks use, so it sees the values they trained.
 def reference_training(args):
-    """The same steps in one plain process on the CPU: the plain model (no recomputation), AdamW,
-    the whole batch. bf16: mixed precision's recipe, a bf16 copy of the model (`working`) computes
-    forward and backward under autocast; its gradients, in float32, step the float32 model."""
+    """The same steps in one plain process on the CPU: the plain model, AdamW, the whole batch; bf16:
+    a bf16 copy (`working`) computes under autocast, its gradients step the float32 model."""
     model, bf16 = build_model(args, recompute="none"), args.precision == "bf16"
     working = build_model(args, recompute="none").to(torch.bfloat16) if bf16 else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
@@ -567,22 +573,20 @@ def reference_training(args):
         for p, w in zip(model.parameters(), working.parameters()):
             p.grad = w.grad.float()  # float32: the same tensor
         optimizer.step()
-        with torch.no_grad():
-            for p, w in zip(model.parameters(), working.parameters()) if bf16 else ():
-                w.copy_(p)  # rounded to nearest, as the ranks round their masters
+        if bf16:  # rounded to nearest, as the ranks round their masters
+            working.load_state_dict(model.state_dict())
         losses.append(loss.item())
     return losses, model
 
 def check(comm, args, losses, zero, model):
     """Every rank's float32 masters, gathered from the partitions on the plain communicator (uncounted);
     rank 0 trains the reference on the CPU and compares; every rank gets the largest difference.
-    Only float32 sums are reordered (each rank's gradient is that of its slice, then summed), but
-    Adam divides each gradient by its own size, which amplifies rounding. Summing the slices'
-    gradients instead of the batch's in one process moved the parameters by 7e-7 after 100 steps
-    (3 slices of the default 24), by 5e-7 after 50 and 2.4e-6 after 100 (4 slices of 16), at lr
-    1e-3; at lr 3e-3 by 2e-2 after 50 (a loss spike at step 35 turned rounding into chaos). With
-    eps 1e-8 one weight in 200k moved by 5e-5 in the first step (a step changes by up to
-    lr x delta / eps for a change delta of its gradient), hence EPS 1e-6."""
+    Only float32 sums are reordered (each rank's gradient is its slice's, then summed), but Adam
+    divides each gradient by its own size, which amplifies rounding. Summing the slices' gradients
+    instead of the batch's in one process moved the parameters by 7e-7 after 100 steps (3 slices of
+    the default 24), by 5e-7 after 50 and 2.4e-6 after 100 (4 slices of 16), at lr 1e-3; at lr 3e-3
+    by 2e-2 after 50 (a loss spike turned rounding into chaos). With eps 1e-8 one weight in 200k moved
+    by 5e-5 in the first step (lr x delta / eps for a change delta of its gradient): EPS 1e-6."""
     full = {}
     for layer in zero.layers:  # the float32 masters: each rank's partition
         whole = torch.zeros(layer.padded)
@@ -598,20 +602,16 @@ def check(comm, args, losses, zero, model):
     return comm.bcast(diff, root=0)
 
 class ActivationMeter(torch.autograd.graph.saved_tensors_hooks):
-    """The activations, measured: `with meter:` around a step counts each tensor autograd saves
-    for backward, by storage, from the moment it is saved until autograd lets go of it; left out:
-    the layers' whole vectors (parameters, gathered layers) and copies made of a parameter (bf16:
-    LayerNorm's float32 weights; a copy's grad_fn is ToCopyBackward0 fed by the parameter's
-    AccumulateGrad). kept: the most saved in forward, what waits for backward; peak: the most at
-    once in the step, recomputation in backward included."""
+    """`with meter:` around a step counts each tensor autograd saves, by storage, until autograd lets
+    go of it; not the whole vectors (parameters, gathered layers) nor a parameter's copies (grad_fn
+    ToCopyBackward0 fed by its AccumulateGrad). kept: the most in forward; peak: with recomputation."""
 
     def __init__(self, zero):
         self.zero, self.live, self.peak, self.kept, self.refs = zero, 0, 0, 0, collections.Counter()
         super().__init__(self.pack, lambda saved: saved)
 
     def pack(self, t):
-        storage, fn = t.untyped_storage(), t.grad_fn
-        pointer, size = storage.data_ptr(), storage.nbytes()
+        pointer, size, fn = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.grad_fn
         if any(pointer == layer.whole.untyped_storage().data_ptr() for layer in self.zero.layers) or (
                 type(fn).__name__ == "ToCopyBackward0" and type(fn.next_functions[0][0]).__name__ == "AccumulateGrad"):
             return t
@@ -630,11 +630,9 @@ class ActivationMeter(torch.autograd.graph.saved_tensors_hooks):
             self.live -= size
 
 def memory_formula(zero, activations):
-    """The docstring's bytes per rank at the peak of a step, Psi counting the padding: the model
-    states, the transient whole layers (W each: gathered; whole gradients) and the activations
-    as measured. Without overlap stages 2 and 3 hold every whole gradient until backward ends,
-    and stage 3 gathers one layer at a time. e: bytes of a parameter as computed with (4; bf16 2,
-    and then every stage keeps its float32 masters, 4 Psi / N, apart)."""
+    """The docstring's bytes per rank at a step's peak (Psi with padding; e: 4, bf16 2 + masters apart),
+    activations as measured. Without overlap stages 2 and 3 hold every whole gradient until backward
+    ends, and stage 3 gathers one layer at a time."""
     sizes, n, stage = [layer.padded for layer in zero.layers], zero.world_size, zero.stage
     psi, pair, e = sum(sizes), max(a + b for a, b in zip(sizes, sizes[1:])), zero.layers[0].whole.element_size()
     formula = {"parameters": (e * psi if stage < 3 else 0) + (4 * psi // n if stage == 3 or e == 2 else 0),
@@ -670,8 +668,7 @@ def overlap_counts(zero, events):
 def print_header(comm, args, run, model, zero, resumed):
     params, padded = sum(p.numel() for p in model.parameters()), sum(layer.padded for layer in zero.layers)
     if resumed:
-        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
-                     f"(written by {resumed['world_size']} ranks)")
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)")
     print0(comm, *run.header,
            f"ZeRO stage {args.zero_stage} | model: GPT, {args.layers} blocks, hidden {args.hidden}, "
            f"{args.heads} heads, {params:,} parameters in {len(zero.layers)} layers, padded to {padded:,} "
@@ -685,8 +682,7 @@ def report(comm, args, run, zero, losses, records, counted, activations, diff):
     """The summary lines and JSON keys of ZeRO: traffic against its formula, the measured peak
     memory beside the formula, the live tensors, the overlap; finish() prints and returns."""
     world_size, steps_run, stage = comm.Get_size(), max(1, len(records)), args.zero_stage
-    calls = {k: v / steps_run for k, v in counted.calls.items()}
-    volume = {k: v / steps_run for k, v in counted.bytes.items()}
+    calls, volume = ({k: v / steps_run for k, v in counts.items()} for counts in (counted.calls, counted.bytes))
     psi = sum(layer.padded for layer in zero.layers)
     e, gathers = zero.layers[0].whole.element_size(), 1 if stage < 3 else 2  # stage 3 gathers twice
     moved = (4 + gathers * e) * psi  # reduce-scatter in float32, all-gathers in the parameters' dtype
