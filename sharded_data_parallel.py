@@ -21,23 +21,47 @@ padded with zeros to a multiple of N; rank r owns partition r of every layer, an
                                                      reduce-scatter as in stage 2; the next layer's
                                                      gather starts while this one computes
 
-Memory per rank at the peak of a step, for Psi parameters (padding included) in float32 with AdamW
-(4 bytes of parameter, 4 of gradient, 8 of moments each; plain data parallelism: 16 Psi + A):
-  stage 1: 8 Psi + 8 Psi / N + A         A: the activations autograd saves for backward (B/N samples)
-  stage 2: 4 Psi + 12 Psi / N + W + A    W: 4 bytes x the largest two neighbouring layers
-  stage 3: 16 Psi / N + 2 W + A
-W is transient, held only during a step: stage 3 gathers a layer before it computes and the next
-one while it does; stages 2 and 3 hold a layer's whole gradient from its first gradient in
-backward until its reduce-scatter completes, two at most (the one backward fills, one in flight).
-The paper counts mixed precision (2 + 2 + 12 bytes: 16-bit parameters and gradients, a 32-bit
-master copy and moments): stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N, stage 3 16 Psi / N.
+Memory per rank at the peak of a step, for Psi parameters (padding included), with AdamW:
+            float32 (4 + 4 + 8 bytes)     bf16 (2 + 4 + 12 bytes)
+  plain DP  16 Psi + A                    18 Psi + A           A: the activations autograd keeps
+  stage 1   8 Psi + 8 Psi / N + A         6 Psi + 12 Psi / N + A     for backward (B/N samples)
+  stage 2   4 Psi + 12 Psi / N + W + A    2 Psi + 16 Psi / N + W + A   W: 4 bytes x the largest
+  stage 3   16 Psi / N + 2 W + A          16 Psi / N + 1.5 W + A       two neighbouring layers
+W is transient: stage 3 gathers a layer before it computes and the next one while it does (W;
+bf16 W / 2); stages 2 and 3 hold a layer's whole gradient from its first gradient in backward to
+its reduce-scatter's end, two at most (W). bf16 is Megatron's count (bf16 weights, float32
+gradients: 18 Psi; 6 Psi + 12 Psi / N with the optimizer sharded); the paper's has 2-byte
+gradients: stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N.
+
+Mixed precision, --precision bf16: each layer's whole vector, what forward and backward compute
+with, is bf16 (ZeRO's 2-byte parameters); every stage keeps this rank's partition apart as a
+float32 master (4 Psi / N) that AdamW steps and rounds into its part of the whole vector. Autocast
+casts each activation to bf16 as a matmul takes it; LayerNorm, softmax, the loss and the residual
+stream stay float32 (.float(): on the CPU autocast leaves them in their input's dtype). Gradients
+leave backward in bf16, the parameters' dtype (as in FSDP's mixed precision), and are added into
+the float32 whole gradient and reduce-scattered in float32, as Megatron does: MPI has no bf16 sum
+(a bf16 buffer moves through MPICH's Allgather, but Allreduce with MPI.SUM on it fails), and N
+ranks' small contributions summed in bf16 round away; bf16 would halve their bytes and memory.
 
 Communication per step, for G = 4 Psi bytes: stages 1 and 2 reduce-scatter the gradients and
-all-gather the parameters, one call of each per layer, G bytes of vectors each. A ring moves
-(N-1)/N of a vector in and out of each rank: 2(N-1)/N x G, what an allreduce of the gradients
-moves (a ring allreduce is a reduce-scatter then an all-gather). Stage 3 all-gathers twice
-(before forward, before backward) and reduce-scatters once: 3(N-1)/N x G, 1.5 times that.
+all-gather the parameters, one call of each per layer; a ring moves (N-1)/N of each vector in and
+out of each rank: 2(N-1)/N x G, what an allreduce (a reduce-scatter, then an all-gather) moves.
+Stage 3 all-gathers twice (before forward and backward): 3(N-1)/N x G, 1.5 times that. bf16: the
+reduce-scatter float32 (G), each all-gather bf16 (G / 2): 1.5 G, stage 3 2 G, x (N-1)/N.
 --no-overlap, the baseline: stages 2 and 3 reduce-scatter after backward, stage 3 never prefetches.
+
+A, for b = B/N sequences of s characters, hidden h, a heads, L blocks, V = 128: 8bs + 8s (indices),
+the head's 8bsh (bf16 6bsh) + 16bs + 4bsV + 4 (LayerNorm, float32 logits, targets), L blocks of
+  --recompute   float32                          bf16
+  none          64bsh + 16bs + 4abs^2 + s^2      40bsh + 16bs + 6abs^2 + s^2
+  selective     64bsh + 16bs                     40bsh + 16bs        full: 4bsh (float32 input)
+none: LayerNorms' float32 inputs (16bs of statistics), the matmuls' inputs (bf16: LayerNorm's
+output cast for q, k and v each), q, k, v, the MLP's two 4h-wide; the s^2 core: the float32 softmax
+(bf16: and its cast), the mask. selective reruns the core in backward (Korthikanti et al. 2022),
+full each block: one more forward. Both by checkpoint(fn, ..., use_reentrant=True): it keeps fn's
+inputs with save_for_backward, where saved-tensor hooks measure them (the other form hides them),
+runs fn without autograd, and in backward reruns it under forward's autocast and backpropagates
+(stage 3: through the layer gathered for backward, so no more bytes move).
 
 The network: the GPT of tensor_parallel.py without the key bias (see Block), trained with AdamW
 on the standard library's argparse.py, textwrap.py and shlex.py (bytes >= 128 replaced by '?').
@@ -71,6 +95,7 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
@@ -79,6 +104,7 @@ from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "sharded_data_parallel"
 TOLERANCE = 2e-5  # largest |difference| from one process (float32); measured (check()): 6.0e-7 to 2.4e-6
+TOLERANCE_BF16 = 1e-2  # provisional, being measured
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES, VOCAB = ("argparse", "textwrap", "shlex"), 128  # the text: these modules' source; ASCII codes
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01  # AdamW's, as in BERT; EPS: see check()
@@ -88,48 +114,38 @@ BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01  # AdamW's, as in BERT; EPS:
 # The strategy: each rank owns 1/N of every layer's flat parameter vector, and steps only it
 # -----------------------------------------------------------------------------
 class FlatLayer:
-    """A layer's parameters as one flat vector `whole`, padded with zeros to a multiple of N. Rank
-    r's partition is elements [r S, (r + 1) S), S = padded / N. The module's parameters become
-    views into `whole`, so an all-gather into `whole` updates them. Stage 3 frees `whole` between
-    uses, and `state` says where it is: "whole", "gathering" (an all-gather in flight) or "free"."""
+    """A layer's parameters as one flat vector `whole`, padded with zeros to a multiple of N; rank r's
+    partition: elements [r S, (r + 1) S), S = padded / N. The module's parameters become views into
+    `whole`, which stage 3 frees between uses: `state` "whole", "gathering" (in flight) or "free"."""
 
-    def __init__(self, module, comm, stage, device):
-        self.params = list(module.parameters())
-        world_size, rank = comm.Get_size(), comm.Get_rank()
+    def __init__(self, module, comm, stage, device, dtype=torch.float32):
+        self.params, world_size, rank = list(module.parameters()), comm.Get_size(), comm.Get_rank()
         self.numel = sum(p.numel() for p in self.params)
-        self.padded = -(-self.numel // world_size) * world_size
-        self.size = self.padded // world_size
-        self.mine = slice(rank * self.size, (rank + 1) * self.size)
-        self.whole = torch.zeros(self.padded, device=device)
+        self.size = -(-self.numel // world_size)  # a partition: the layer, padded to a multiple of N, / N
+        self.padded, self.mine = self.size * world_size, slice(rank * self.size, (rank + 1) * self.size)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        master = F.pad(flat, (0, self.padded - self.numel)).to(device)  # float32: the weights AdamW updates
+        self.whole = master.to(dtype)  # what forward and backward use (float32: master itself)
         for p, view in zip(self.params, self.views(self.whole)):
-            view.copy_(p.detach())
             p.data = view
-        # What the optimizer updates: in stages 1 and 2 a view into the whole vector (the
-        # all-gather after the step then runs in place); in stage 3 all this rank keeps.
-        self.partition = self.whole[self.mine].clone() if stage == 3 else self.whole[self.mine]
-        # The whole gradient as one flat vector, autograd adding into views of it: stage 1 keeps
-        # it, and the reduce-scatter's sum of my part lands in my part of it; stages 2 and 3
-        # hold it only from the layer's first gradient to its reduce-scatter (see ZeRO).
+        # What AdamW steps, this rank's float32 partition: in float32 at stages 1 and 2 a view into
+        # `whole` (the all-gather then runs in place); else its own (stage 3 frees `whole`; bf16 rounds)
+        self.partition = master[self.mine] if stage < 3 and dtype == torch.float32 else master[self.mine].clone()
+        # Stage 1 keeps a whole float32 gradient (the sum of my part lands in my part of it, AdamW's
+        # gradient); stages 2 and 3 keep their part alone, and the whole one briefly (see ZeRO)
         self.grad_whole, self.state, self.request = None, "whole", None
         if stage == 1:
             self.grad_whole = torch.zeros(self.padded, device=device)
-            self.partition.grad = self.grad_whole[self.mine]
             for p, view in zip(self.params, self.views(self.grad_whole)):
-                p.grad = view
-        else:  # stages 2 and 3 keep their partition of the gradient alone
-            self.partition.grad = torch.zeros(self.size, device=device)
+                p.grad = view if dtype == torch.float32 else None  # bf16: ZeRO adds it in
+        self.partition.grad = self.grad_whole[self.mine] if stage == 1 else torch.zeros(self.size, device=device)
         if stage == 3:
             self.free()
-
-    def views(self, flat):
-        """Views into a flat vector of this layer, one shaped like each parameter, in order."""
-        pieces = flat[:self.numel].split([p.numel() for p in self.params])
-        return [piece.view_as(p) for piece, p in zip(pieces, self.params)]
 
     def gather(self, comm):
         """Stage 3: give `whole` its memory back and start the all-gather that refills it."""
         self.whole.untyped_storage().resize_(self.padded * self.whole.element_size())
-        self.whole[self.mine] = self.partition.detach()  # this rank's part; MPI brings the rest
+        self.whole[self.mine] = self.partition.detach()  # this rank's part (bf16: rounded); MPI brings the rest
         self.buffer = mpi_buffer(self.whole, nonblocking=True)
         self.request, self.state = comm.Iallgather(MPI.IN_PLACE, self.buffer), "gathering"
 
@@ -137,6 +153,11 @@ class FlatLayer:
         self.request.Wait()
         from_mpi(self.whole, self.buffer)
         self.request, self.buffer, self.state = None, None, "whole"
+
+    def views(self, flat):
+        """Views into a flat vector of this layer, one shaped like each parameter, in order."""
+        pieces = flat[:self.numel].split([p.numel() for p in self.params])
+        return [piece.view_as(p) for piece, p in zip(pieces, self.params)]
 
     def free(self):
         """Give back the whole vector's memory. The views (and autograd's saved tensors, views
@@ -147,29 +168,29 @@ class FlatLayer:
 
 class ZeRO:
     """AdamW on this rank's partitions, and the exchange of ZeRO stage 1, 2 or 3 around it.
-    Stage 1: backward adds into whole gradients; then per layer a Reduce_scatter_block leaves
-    each rank the sum of its partition, AdamW steps it, and an Allgather brings back every partition.
+    Stage 1: backward adds into whole gradients; then per layer a Reduce_scatter_block leaves each
+    rank the sum of its partition, AdamW steps it, and an Allgather brings back every partition.
     Stage 2: a layer's first gradient allocates its whole gradient; a post-accumulate-grad hook
-    counts them, and when the last is in, the layer's Ireduce_scatter_block starts while backward
-    carries on with earlier layers. Stage 3: forward hooks all-gather a layer before its forward
-    (and start the next one's) and free it after; a hook on its output gathers it again before its
-    backward; then as stage 2. Spans named after the layer ("gather 3", "before forward 3") show
-    what was prefetched."""
+    counts them, and with the last the layer's Ireduce_scatter_block starts while backward goes on.
+    Stage 3: forward hooks all-gather a layer before its forward (and start the next one's) and
+    free it after; a hook on its output gathers it again before its backward; then as stage 2.
+    Spans named after the layer ("gather 3", "before forward 3") show what was prefetched."""
 
-    def __init__(self, model, comm, stage, lr, device, timeline, overlap=True):
+    def __init__(self, model, comm, stage, lr, device, timeline, overlap=True, dtype=torch.float32):
         self.comm, self.stage, self.world_size, self.device = comm, stage, comm.Get_size(), device
-        self.timeline, self.overlap = timeline, overlap
-        self.layers = [FlatLayer(m, comm, stage, device) for m in model.layers]
+        self.timeline, self.overlap, self.in_backward = timeline, overlap, False
+        self.layers = [FlatLayer(m, comm, stage, device, dtype) for m in model.layers]
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, betas=BETAS, eps=EPS,
                                            weight_decay=WEIGHT_DECAY)
         # arrived: gradients in, per layer; in_flight: the reduce-scatter under way (a layer's whole
         # gradient, its buffers and request); deferred: --no-overlap's layers waiting for backward's end
         self.arrived, self.in_flight, self.deferred = [0] * len(self.layers), None, []
         for i, (layer, module) in enumerate(zip(self.layers, model.layers)):
-            if stage >= 2:
-                for p in layer.params:
+            for k, p in enumerate(layer.params):
+                if stage >= 2:
                     p.register_hook(lambda grad, i=i: self._grad_arriving(i))
-                    p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+                if stage >= 2 or dtype != torch.float32:
+                    p.register_post_accumulate_grad_hook(lambda p, i=i, k=k: self._grad_ready(i, k, p))
             if stage == 3:
                 module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
                 module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
@@ -186,7 +207,9 @@ class ZeRO:
             for layer in self.layers:
                 layer.grad_whole.zero_()  # autograd adds into it
         with self.timeline.span("compute", "backward"):
+            self.in_backward = True  # what autograd saves from here on is recomputed, not kept
             loss.backward()
+            self.in_backward = False
         if self.stage == 1:
             for layer in reversed(self.layers):  # into a buffer of its own: not in place, which
                 received = torch.empty(layer.size, device=self.device)  # some CUDA-aware MPIs break
@@ -208,6 +231,8 @@ class ZeRO:
         self.optimizer.step()
         if self.stage < 3:
             for layer in self.layers:
+                if layer.whole.dtype != layer.partition.dtype:  # bf16: the masters rounded, gathered
+                    layer.whole[layer.mine] = layer.partition.detach()
                 buffer = mpi_buffer(layer.whole)
                 self.comm.Allgather(MPI.IN_PLACE, buffer)
                 from_mpi(layer.whole, buffer)
@@ -220,10 +245,16 @@ class ZeRO:
         if layer.grad_whole is None:
             layer.grad_whole = torch.zeros(layer.padded, device=self.device)
             for p, view in zip(layer.params, layer.views(layer.grad_whole)):
-                p.grad = view
+                p.grad = view if p.dtype == view.dtype else None  # bf16: _grad_ready adds it in
 
-    def _grad_ready(self, i):
+    def _grad_ready(self, i, k, p):
+        """Parameter k of layer i has its gradient; bf16's is added here into the float32 whole one."""
         layer = self.layers[i]
+        if p.grad is not None and p.grad.dtype != layer.grad_whole.dtype:
+            layer.views(layer.grad_whole)[k].add_(p.grad)
+            p.grad = None
+        if self.stage == 1:
+            return
         self.arrived[i] += 1
         if self.arrived[i] == len(layer.params):  # the layer's whole gradient is in
             for p in layer.params:
@@ -322,9 +353,9 @@ def from_mpi(t, buffer):
     return t
 
 
-def train_step(model, zero, x, y, timeline):
-    with timeline.span("compute", "forward"):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+def train_step(model, zero, x, y, timeline, bf16=False):
+    with timeline.span("compute", "forward"), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())  # the loss in float32
     zero.backward(loss)  # backward, then what the gradient exchange has left to do
     with timeline.span("compute", "optimizer"):
         zero.step()
@@ -335,13 +366,18 @@ def train_step(model, zero, x, y, timeline):
 # The model: the GPT of tensor_parallel.py as a list of layers, without the key bias
 # -----------------------------------------------------------------------------
 def attend(q, k, v, heads):
-    """Causal self-attention of `heads` heads."""
+    """Causal self-attention of `heads` heads: attention's core (softmax in float32)."""
     b, t, c = q.shape
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(c // heads)
     future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
     weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     return (weights @ v).transpose(1, 2).reshape(b, t, c)
+
+
+def layer_norm(norm, x):
+    """norm(x) with its statistics and parameters in float32, whatever their dtype."""
+    return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
 
 
 class Embedding(nn.Module):
@@ -349,8 +385,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
 
-    def forward(self, idx):
-        return self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+    def forward(self, idx):  # the residual stream in float32, as autocast leaves it
+        return self.tokens(idx).float() + self.positions(torch.arange(idx.size(1), device=idx.device)).float()
 
 
 class Block(nn.Module):
@@ -359,19 +395,27 @@ class Block(nn.Module):
     rounding noise in float32, which Adam turns into full steps: summing 4 slices instead of one
     batch moved it by 6e-4 in 100 steps, every other parameter by less than 1e-6."""
 
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden, heads, recompute="none"):
         super().__init__()
-        self.heads = heads
-        self.ln1, self.q = nn.LayerNorm(hidden), nn.Linear(hidden, hidden)
-        self.k, self.v = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
+        self.heads, self.recompute = heads, recompute
+        self.ln1, self.q, self.k = nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden, bias=False)
+        self.v, self.proj = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
-        a = self.ln1(x)
-        x = x + self.proj(attend(self.q(a), self.k(a), self.v(a), self.heads))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        if self.recompute == "full":  # autograd keeps x alone; backward reruns the block first
+            return checkpoint(self.body, x, use_reentrant=True)
+        return self.body(x)
+
+    def body(self, x):
+        a = layer_norm(self.ln1, x)
+        q, k, v = self.q(a), self.k(a), self.v(a)
+        if self.recompute == "selective":  # keeps q, k, v; backward reruns the core (t x t)
+            core = checkpoint(attend, q, k, v, self.heads, use_reentrant=True)
+        else:
+            core = attend(q, k, v, self.heads)
+        x = x + self.proj(core)
+        return x + self.fc2(F.gelu(self.fc1(layer_norm(self.ln2, x))))
 
 
 class Head(nn.Module):
@@ -380,16 +424,16 @@ class Head(nn.Module):
         self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
 
     def forward(self, x):
-        return self.out(self.norm(x))
+        return self.out(layer_norm(self.norm, x))
 
 
 class GPT(nn.Module):
     """Embeddings, --layers blocks, final LayerNorm and untied head: the layers ZeRO flattens."""
 
-    def __init__(self, layers, hidden, heads, seq_len):
+    def __init__(self, layers, hidden, heads, seq_len, recompute="none"):
         super().__init__()
-        self.layers = nn.ModuleList([Embedding(hidden, seq_len)]
-                                    + [Block(hidden, heads) for _ in range(layers)] + [Head(hidden)])
+        self.layers = nn.ModuleList([Embedding(hidden, seq_len)] + [Block(hidden, heads, recompute)
+                                                                    for _ in range(layers)] + [Head(hidden)])
 
     def forward(self, idx):
         x = idx
@@ -398,10 +442,10 @@ class GPT(nn.Module):
         return x
 
 
-def build_model(args):
+def build_model(args, recompute=None):
     """The full model from the seed, on the CPU: the same network at every world size."""
     torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
+    model = GPT(args.layers, args.hidden, args.heads, args.seq_len, recompute or args.recompute)
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
@@ -413,8 +457,8 @@ def build_model(args):
 def shard_model(args, comm, device, timeline):
     """The full model from the seed on every rank's CPU; ZeRO keeps on the device what this
     stage keeps. Returns the model (its parameters views into ZeRO's flat vectors) and ZeRO."""
-    model = build_model(args)
-    return model, ZeRO(model, comm, args.zero_stage, args.lr, device, timeline, not args.no_overlap)
+    model, dtype = build_model(args), torch.bfloat16 if args.precision == "bf16" else torch.float32
+    return model, ZeRO(model, comm, args.zero_stage, args.lr, device, timeline, not args.no_overlap, dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -454,7 +498,8 @@ def train(args, comm, device, model, zero, timeline, activations, past=(), confi
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         with activations:
-            losses.append(train_step(model, zero, x[mine].to(device), y[mine].to(device), timeline))
+            losses.append(train_step(model, zero, x[mine].to(device, copy=True), y[mine].to(device, copy=True),
+                                     timeline, args.precision == "bf16"))  # copies: autograd keeps b s, not B s
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
@@ -508,40 +553,45 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # (the network), make_batch, F.cross_entropy and torch's AdamW with the same hyperparameters.
 # AdamW acts element by element, which is what lets ZeRO step a partition alone; the reference
 # steps each parameter whole, so the flat vectors, their padding and partitions, the
-# reduce-scatters, the gathers and the division by N (FlatLayer, ZeRO) are the ranks' alone. The
-# comparison reads each parameter through the view the ranks trained, so it sees their values.
+# reduce-scatters, the gathers and the division by N (FlatLayer, ZeRO) are the ranks' alone. bf16:
+# the reference rounds a copy of its model (.to(bfloat16)); the ranks' bf16 views, their masters
+# and the float32 sum of bf16 gradients are theirs alone. The comparison reads each parameter of
+# the gathered masters through the views the ranks use, so it sees the values they trained.
 def reference_training(args):
-    """The same steps in one plain process on the CPU: the plain model, AdamW, the whole batch."""
-    model = build_model(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
+    """The same steps in one plain process on the CPU: the plain model, AdamW, the whole batch; bf16:
+    a bf16 copy (`working`) computes under autocast, its gradients step the float32 model."""
+    model, bf16 = build_model(args, recompute="none"), args.precision == "bf16"
+    working = build_model(args, recompute="none").to(torch.bfloat16) if bf16 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        optimizer.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(working(x).float().flatten(0, 1), y.flatten())
+        working.zero_grad()
         loss.backward()
+        for p, w in zip(model.parameters(), working.parameters()):
+            p.grad = w.grad.float()  # float32: the same tensor
         optimizer.step()
+        if bf16:  # rounded to nearest, as the ranks round their masters
+            working.load_state_dict(model.state_dict())
         losses.append(loss.item())
     return losses, model
 
 def check(comm, args, losses, zero, model):
-    """Every rank's whole parameters (stage 3 gathers them on the plain communicator, uncounted);
+    """Every rank's float32 masters, gathered from the partitions on the plain communicator (uncounted);
     rank 0 trains the reference on the CPU and compares; every rank gets the largest difference.
-    Only float32 sums are reordered (each rank's gradient is that of its slice, then summed), but
-    Adam divides each gradient by its own size, which amplifies rounding. Summing the slices'
-    gradients instead of the batch's in one process moved the parameters by 7e-7 after 100 steps
-    (3 slices of the default 24), by 5e-7 after 50 and 2.4e-6 after 100 (4 slices of 16), at lr
-    1e-3; at lr 3e-3 by 2e-2 after 50 (a loss spike at step 35 turned rounding into chaos). With
-    eps 1e-8 one weight in 200k moved by 5e-5 in the first step (a step changes by up to
-    lr x delta / eps for a change delta of its gradient), hence EPS 1e-6."""
+    Only float32 sums are reordered (each rank's gradient is its slice's, then summed), but Adam
+    divides each gradient by its own size, which amplifies rounding. Summing the slices' gradients
+    instead of the batch's in one process moved the parameters by 7e-7 after 100 steps (3 slices of
+    the default 24), by 5e-7 after 50 and 2.4e-6 after 100 (4 slices of 16), at lr 1e-3; at lr 3e-3
+    by 2e-2 after 50 (a loss spike turned rounding into chaos). With eps 1e-8 one weight in 200k moved
+    by 5e-5 in the first step (lr x delta / eps for a change delta of its gradient): EPS 1e-6."""
     full = {}
-    for layer in zero.layers:
-        whole = layer.whole.cpu()
-        if zero.stage == 3:
-            whole = torch.zeros(layer.padded)
-            whole[layer.mine] = layer.partition.detach().cpu()
-            comm.Allgather(MPI.IN_PLACE, whole)
+    for layer in zero.layers:  # the float32 masters: each rank's partition
+        whole = torch.zeros(layer.padded)
+        whole[layer.mine] = layer.partition.detach().cpu()
+        comm.Allgather(MPI.IN_PLACE, whole)
         full.update((p, view.clone()) for p, view in zip(layer.params, layer.views(whole)))
     state, diff = {name: full[p] for name, p in model.named_parameters()}, None
     if comm.Get_rank() == 0:
@@ -552,23 +602,24 @@ def check(comm, args, losses, zero, model):
     return comm.bcast(diff, root=0)
 
 class ActivationMeter(torch.autograd.graph.saved_tensors_hooks):
-    """The activations, measured: `with meter:` around a step counts each tensor autograd saves
-    for backward, by storage, from the moment it is saved until autograd lets go of it; the
-    layers' whole parameter vectors left out (parameters, gathered layers). peak: the most at once."""
+    """`with meter:` around a step counts each tensor autograd saves, by storage, until autograd lets
+    go of it; not the whole vectors (parameters, gathered layers) nor a parameter's copies (grad_fn
+    ToCopyBackward0 fed by its AccumulateGrad). kept: the most in forward; peak: with recomputation."""
 
     def __init__(self, zero):
-        self.zero, self.live, self.peak, self.refs = zero, 0, 0, collections.Counter()
+        self.zero, self.live, self.peak, self.kept, self.refs = zero, 0, 0, 0, collections.Counter()
         super().__init__(self.pack, lambda saved: saved)
 
     def pack(self, t):
-        storage = t.untyped_storage()
-        pointer, size = storage.data_ptr(), storage.nbytes()
-        if any(pointer == layer.whole.untyped_storage().data_ptr() for layer in self.zero.layers):
+        pointer, size, fn = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.grad_fn
+        if any(pointer == layer.whole.untyped_storage().data_ptr() for layer in self.zero.layers) or (
+                type(fn).__name__ == "ToCopyBackward0" and type(fn.next_functions[0][0]).__name__ == "AccumulateGrad"):
             return t
         saved = t.detach()  # what autograd keeps: its finalizer runs when autograd lets go
         self.refs[pointer] += 1
         self.live += size if self.refs[pointer] == 1 else 0
         self.peak = max(self.peak, self.live)
+        self.kept = self.kept if self.zero.in_backward else max(self.kept, self.live)
         weakref.finalize(saved, self.release, pointer, size)
         return saved
 
@@ -579,16 +630,15 @@ class ActivationMeter(torch.autograd.graph.saved_tensors_hooks):
             self.live -= size
 
 def memory_formula(zero, activations):
-    """The docstring's bytes per rank at the peak of a step, Psi counting the padding: the model
-    states, the transient whole layers (W each: gathered; whole gradients) and the activations
-    as measured. Without overlap stages 2 and 3 hold every whole gradient until backward ends,
-    and stage 3 gathers one layer at a time."""
+    """The docstring's bytes per rank at a step's peak (Psi with padding; e: 4, bf16 2 + masters apart),
+    activations as measured. Without overlap stages 2 and 3 hold every whole gradient until backward
+    ends, and stage 3 gathers one layer at a time."""
     sizes, n, stage = [layer.padded for layer in zero.layers], zero.world_size, zero.stage
-    psi, w = sum(sizes), 4 * max(a + b for a, b in zip(sizes, sizes[1:]))
-    formula = {"parameters": 4 * psi if stage < 3 else 4 * psi // n,
+    psi, pair, e = sum(sizes), max(a + b for a, b in zip(sizes, sizes[1:])), zero.layers[0].whole.element_size()
+    formula = {"parameters": (e * psi if stage < 3 else 0) + (4 * psi // n if stage == 3 or e == 2 else 0),
                "gradients": 4 * psi if stage == 1 else 4 * psi // n, "optimizer": 8 * psi // n,
-               "gathered": 0 if stage < 3 else w if zero.overlap else 4 * max(sizes),
-               "whole_gradients": 0 if stage == 1 else w if zero.overlap else 4 * psi,
+               "gathered": 0 if stage < 3 else e * pair if zero.overlap else e * max(sizes),
+               "whole_gradients": 0 if stage == 1 else 4 * pair if zero.overlap else 4 * psi,
                "activations": activations}
     return {**formula, "total": sum(formula.values())}
 
@@ -618,8 +668,7 @@ def overlap_counts(zero, events):
 def print_header(comm, args, run, model, zero, resumed):
     params, padded = sum(p.numel() for p in model.parameters()), sum(layer.padded for layer in zero.layers)
     if resumed:
-        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
-                     f"(written by {resumed['world_size']} ranks)")
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)")
     print0(comm, *run.header,
            f"ZeRO stage {args.zero_stage} | model: GPT, {args.layers} blocks, hidden {args.hidden}, "
            f"{args.heads} heads, {params:,} parameters in {len(zero.layers)} layers, padded to {padded:,} "
@@ -633,11 +682,11 @@ def report(comm, args, run, zero, losses, records, counted, activations, diff):
     """The summary lines and JSON keys of ZeRO: traffic against its formula, the measured peak
     memory beside the formula, the live tensors, the overlap; finish() prints and returns."""
     world_size, steps_run, stage = comm.Get_size(), max(1, len(records)), args.zero_stage
-    calls = {k: v / steps_run for k, v in counted.calls.items()}
-    volume = {k: v / steps_run for k, v in counted.bytes.items()}
+    calls, volume = ({k: v / steps_run for k, v in counts.items()} for counts in (counted.calls, counted.bytes))
     psi = sum(layer.padded for layer in zero.layers)
-    vectors = 2 if stage < 3 else 3  # reduce-scatter + all-gather; stage 3 gathers twice
-    ring = vectors * (world_size - 1) / world_size * 4 * psi
+    e, gathers = zero.layers[0].whole.element_size(), 1 if stage < 3 else 2  # stage 3 gathers twice
+    moved = (4 + gathers * e) * psi  # reduce-scatter in float32, all-gathers in the parameters' dtype
+    ring = (world_size - 1) / world_size * moved
     every = comm.allgather(live_tensor_bytes(zero))  # the same on every rank: so is S
     live = {kind: max(m[kind] for m in every) for kind in every[0]}
     formula = memory_formula(zero, max(comm.allgather(activations.peak)))
@@ -645,20 +694,21 @@ def report(comm, args, run, zero, losses, records, counted, activations, diff):
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
-             + f"; formula {vectors} x 4 Psi = {vectors * 4 * psi:,} bytes (Psi = {psi:,} with padding); "
-             f"a ring moves (N-1)/N of that per rank, {ring:,.0f}: "
-             + ("what an allreduce of the gradients moves" if stage < 3 else "1.5 x an allreduce"),
+             + f"; formula 4 Psi + {gathers} x {e} Psi = {moved:,} bytes (Psi = {psi:,} with padding); a ring "
+             f"moves (N-1)/N of that per rank, {ring:,.0f}, {ring / (8 * psi * (world_size - 1) / world_size or 1):g}"
+             f" x a float32 allreduce of the gradients",
              f"memory per rank at the peak of a step: measured {peak / 1e6:.2f} MB (the largest rank), formula "
              f"{formula['total'] / 1e6:.2f} MB = " + " + ".join(f"{k} {v / 1e6:.2f}" for k, v in formula.items()
                                                                 if k != "total")
-             + f" (activations measured); plain data parallelism: 16 Psi + activations = "
-             f"{(16 * psi + formula['activations']) / 1e6:.2f} MB",
+             + f" (activations measured); plain data parallelism: {16 if e == 4 else 18} Psi + activations = "
+             f"{((16 if e == 4 else 18) * psi + formula['activations']) / 1e6:.2f} MB",
              "live tensors after the last step: " + " | ".join(f"{k} {v:,}" for k, v in live.items()) + " bytes"]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "zero_stage": stage, "param_count": sum(layer.numel for layer in zero.layers),
         "padded_param_count": psi, "memory_bytes_formula": formula, "live_bytes_after_last_step": live,
-        "comm_bytes_formula": vectors * 4 * psi, "ring_bytes_per_rank": ring, "collectives_by_kind": calls,
+        "comm_bytes_formula": moved, "ring_bytes_per_rank": ring, "collectives_by_kind": calls,
+        "activation_bytes_per_rank": comm.allgather(activations.kept),
         "overlap": overlap_counts(zero, run.timeline.step_events)})
 
 def parse_args(argv, world_size):

@@ -16,6 +16,8 @@ CPU = torch.device("cpu")
 # do not divide, so those layers are padded at N = 3 and 4.
 TINY = ["--layers", "1", "--hidden", "10", "--heads", "2", "--seq-len", "9", "--batch-size", "12"]
 STAGES = [1, 2, 3]
+PRECISIONS = ["fp32", "bf16"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def run_steps(comm, argv):
@@ -28,17 +30,20 @@ def run_steps(comm, argv):
 
 
 def sharded(model, comm, stage, args, overlap=True):
-    return zp.ZeRO(model, comm, stage, args.lr, CPU, zp.Timeline(CPU), overlap)
+    return zp.ZeRO(model, comm, stage, args.lr, CPU, zp.Timeline(CPU), overlap, DTYPES[args.precision])
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_partitions_cover_every_layer_and_only_the_padding_is_added(size, stage):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_partitions_cover_every_layer_and_only_the_padding_is_added(size, stage, precision):
+    """The partitions are the float32 masters; in bf16 the whole vectors that forward uses hold
+    them rounded to bf16 (stages 1 and 2), and the module's parameters are views into them."""
     with sub_comm(size) as comm:
         ok, padded_somewhere = True, False
         if comm is not None:
-            args = zp.parse_args(TINY + ["--zero-stage", str(stage)], size)
+            args = zp.parse_args(TINY + ["--zero-stage", str(stage), "--precision", precision], size)
             model = zp.build_model(args)
             expected = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in model.layers]
             zero = sharded(model, comm, stage, args)
@@ -53,66 +58,151 @@ def test_partitions_cover_every_layer_and_only_the_padding_is_added(size, stage)
                 # stage 3 keeps no whole layer between uses; stages 1 and 2 keep every one
                 ok = ok and (layer.whole.untyped_storage().nbytes() == 0) == (stage == 3)
                 ok = ok and layer.state == ("free" if stage == 3 else "whole")
+                ok = ok and layer.partition.dtype == torch.float32 and layer.whole.dtype == DTYPES[precision]
+                ok = ok and all(p.dtype == DTYPES[precision] for p in layer.params)
+                if stage < 3:
+                    ok = ok and torch.equal(layer.whole[:layer.numel], flat.to(DTYPES[precision]))
         assert agree(ok)
         assert agree(comm is None or padded_somewhere == (size in (3, 4)))
 
 
+def gradient_error(comm, stage, precision="fp32"):
+    """Largest |difference| of each rank's partition.grad after zero.backward from the mean
+    gradient, computed in one process slice by slice: each slice's gradient in the precision's
+    recipe (bf16: a bf16 copy of the model, its gradients in bf16), summed in float32, / N."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    args = zp.parse_args(TINY + ["--zero-stage", str(stage), "--precision", precision], size)
+    x, y = zp.make_batch(args.seed, 0, args.batch_size, args.seq_len)
+    plain, per, bf16 = zp.build_model(args).to(DTYPES[precision]), args.batch_size // size, precision == "bf16"
+    mean = [torch.zeros(m.numel()) for m in plain.parameters()]
+    for r in range(size):
+        plain.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(plain(x[r * per:(r + 1) * per]).float().flatten(0, 1), y[r * per:(r + 1) * per].flatten())
+        loss.backward()
+        for total, p in zip(mean, plain.parameters()):
+            total += p.grad.float().reshape(-1)
+    grads = iter(g / size for g in mean)
+    model = zp.build_model(args)
+    zero = sharded(model, comm, stage, args)
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        loss = F.cross_entropy(model(x[rank * per:(rank + 1) * per]).float().flatten(0, 1),
+                               y[rank * per:(rank + 1) * per].flatten())
+    zero.backward(loss)
+    diff = 0.0
+    for layer, m in zip(zero.layers, plain.layers):
+        grad = torch.cat([next(grads) for _ in m.parameters()])
+        grad = torch.cat([grad, grad.new_zeros(layer.padded - layer.numel)])
+        diff = max(diff, (layer.partition.grad - grad[layer.mine]).abs().max().item())
+    return diff
+
+
+# float32 sums in another order: 1.2e-7 measured at N = 3 (fp32 and bf16 alike: each slice's bf16
+# gradient is the same in both); a missing 1/N errs by 1/3 or more of a gradient of about 1e-2
+GRADIENT_LIMIT = 1e-6
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("staged", [False, True])
-def test_each_rank_gets_the_mean_gradient_of_its_partition(size, stage, staged, monkeypatch):
+@pytest.mark.parametrize("staged, precision", [(False, "fp32"), (True, "fp32"), (False, "bf16")])
+def test_each_rank_gets_the_mean_gradient_of_its_partition(size, stage, staged, precision, monkeypatch):
     """AdamW hides a gradient scaled by a constant (it divides by the gradient's own size), so the
     check against one process cannot see a missing 1/N: this test looks at the gradients. Staged:
     every buffer handed to MPI is a copy, as on a GPU whose MPI cannot read GPU memory, so a
-    result that is not copied back is missing."""
+    result that is not copied back is missing. bf16: the gradients arrive in bf16 and are summed
+    in float32."""
     if staged:
         monkeypatch.setattr(zp, "mpi_buffer", lambda t, nonblocking=False: t.clone())
     with sub_comm(size) as comm:
-        diff = 0.0
-        if comm is not None:
-            args = zp.parse_args(TINY + ["--zero-stage", str(stage)], size)
-            x, y = zp.make_batch(args.seed, 0, args.batch_size, args.seq_len)
-            plain = zp.build_model(args)
-            per = args.batch_size // size
-            for r in range(size):  # every rank's slice, its loss scaled by 1/N: the mean gradient
-                xs, ys = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
-                (F.cross_entropy(plain(xs).flatten(0, 1), ys.flatten()) / size).backward()
-            model = zp.build_model(args)
-            zero = sharded(model, comm, stage, args)
-            rank = comm.Get_rank()
-            loss = F.cross_entropy(model(x[rank * per:(rank + 1) * per]).flatten(0, 1),
-                                   y[rank * per:(rank + 1) * per].flatten())
-            zero.backward(loss)
-            for layer, m in zip(zero.layers, plain.layers):
-                grad = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
-                grad = torch.cat([grad, grad.new_zeros(layer.padded - layer.numel)])
-                mine = grad[rank * layer.size:(rank + 1) * layer.size]
-                diff = max(diff, (layer.partition.grad - mine).abs().max().item())
-        # float32 sums in another order: 1.2e-7 measured at N = 3; a missing 1/N errs by 1/3 or more
-        assert max_everywhere(diff) < 1e-6
+        diff = 0.0 if comm is None else gradient_error(comm, stage, precision)
+        assert max_everywhere(diff) < GRADIENT_LIMIT
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_gradient_divided_once_more_by_n_is_caught(precision, monkeypatch):
+    """The negative control of the test above, at N = 2, stage 2: the exchange divides by N twice."""
+    finish = zp.ZeRO.finish_reduce_scatter
+
+    def planted(self, wait):
+        layer = self.in_flight and self.in_flight[0]
+        finish(self, wait)
+        if layer is not None and self.in_flight is None:
+            layer.partition.grad /= self.world_size
+    monkeypatch.setattr(zp.ZeRO, "finish_reduce_scatter", planted)
+    with sub_comm(2) as comm:
+        diff = 0.0 if comm is None else gradient_error(comm, 2, precision)
+        assert max_everywhere(diff) > 100 * GRADIENT_LIMIT
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_training_matches_one_process_and_traffic_matches_the_formula(size, stage):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_training_matches_one_process_and_traffic_matches_the_formula(size, stage, precision):
+    """bf16: every stage keeps its float32 masters apart and computes with 2-byte parameters,
+    which the all-gathers carry (2 Psi bytes each); the reduce-scatter stays float32 (4 Psi).
+    The negative control: a master moved by 1.5 x TOLERANCE_BF16 is reported above it."""
     with sub_comm(size) as comm:
-        diff, ok = 0.0, True
+        diff, nudged, ok = 0.0, 0.0, True
         if comm is not None:
-            steps, argv = 3, TINY + ["--steps", "3", "--zero-stage", str(stage)]
+            steps, argv = 3, TINY + ["--steps", "3", "--zero-stage", str(stage), "--precision", precision]
             losses, model, zero = run_steps(comm, argv)
             live, formula = zp.live_tensor_bytes(zero), zp.memory_formula(zero, 0)
             # between steps a rank holds the formula's states and nothing else, but Adam's step
             # counters (4 bytes a layer): stages 2 and 3 no whole gradient
             ok = ok and all(live[k] == formula[k] for k in ("parameters", "gradients"))
             ok = ok and live["optimizer"] == formula["optimizer"] + 4 * len(zero.layers)
-            psi, vectors = sum(layer.padded for layer in zero.layers), 2 if stage < 3 else 3
-            ok = ok and sum(zero.comm.bytes.values()) == steps * vectors * 4 * psi
-            ok = ok and sum(zero.comm.calls.values()) == steps * vectors * len(zero.layers)
+            psi, e, gathers = sum(layer.padded for layer in zero.layers), 2 if precision == "bf16" else 4, 1 + (stage == 3)
+            ok = ok and sum(zero.comm.bytes.values()) == steps * (4 + gathers * e) * psi
+            ok = ok and sum(zero.comm.calls.values()) == steps * (1 + gathers) * len(zero.layers)
             diff = zp.check(comm, zp.parse_args(argv, size), losses, zero, model)
+            if precision == "bf16":
+                with torch.no_grad():
+                    zero.layers[1].partition[0] += 1.5 * zp.TOLERANCE_BF16 * (comm.Get_rank() == 0)
+                nudged = zp.check(comm, zp.parse_args(argv, size), losses, zero, model)
         assert agree(ok)
-        assert max_everywhere(diff) <= zp.TOLERANCE
+        assert max_everywhere(diff) <= (zp.TOLERANCE_BF16 if precision == "bf16" else zp.TOLERANCE)
+        assert precision == "fp32" or max_everywhere(nudged) > zp.TOLERANCE_BF16
+
+
+def activation_formula(precision, recompute, b, s, h, heads, layers):
+    """The docstring's bytes that autograd keeps for backward on one rank (b sequences of s)."""
+    bf16 = precision == "bf16"
+    block = {"none": (40 if bf16 else 64) * b * s * h + 16 * b * s + (6 if bf16 else 4) * heads * s * s * b + s * s,
+             "selective": (40 if bf16 else 64) * b * s * h + 16 * b * s, "full": 4 * b * s * h}[recompute]
+    embedding, head = 8 * b * s + 8 * s, (6 if bf16 else 8) * b * s * h + 16 * b * s + 4 * b * s * zp.VOCAB + 4
+    return embedding + layers * block + head
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, stage", [(1, 1), (3, 3)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_recomputation_keeps_what_its_formula_says_and_the_same_losses(size, stage, precision):
+    """What autograd keeps in forward, as the meter measures it, equals the docstring's formula
+    for none, selective and full, and falls in that order; the losses stay the same (bit for bit:
+    no dropout, so the recomputed forward is the forward). Stage 3 and full recomputation: the
+    layer gathered for backward serves the recomputation too, so ZeRO moves the same bytes."""
+    with sub_comm(size) as comm:
+        ok, kept, runs = True, {}, {}
+        if comm is not None:
+            flags = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "6",
+                     "--steps", "2", "--zero-stage", str(stage), "--precision", precision]
+            for recompute in ("none", "selective", "full"):
+                args = zp.parse_args(flags + ["--recompute", recompute], size)
+                timeline = zp.Timeline(CPU)
+                model, zero = zp.shard_model(args, zp.CountedComm(comm, timeline), CPU, timeline)
+                meter = zp.ActivationMeter(zero)
+                losses, _ = zp.train(args, comm, CPU, model, zero, timeline, meter)
+                kept[recompute], runs[recompute] = meter.kept, (losses, sum(zero.comm.bytes.values()))
+                ok = ok and meter.kept == activation_formula(precision, recompute, 6 // size, 16, 16, 2, 2)
+            ok = ok and kept["full"] < kept["selective"] < kept["none"]
+            for recompute in ("selective", "full"):
+                same = runs[recompute][0] == runs["none"][0] if precision == "fp32" else max(
+                    abs(a - b) for a, b in zip(runs[recompute][0], runs["none"][0])) <= zp.TOLERANCE_BF16
+                ok = ok and same and runs[recompute][1] == runs["none"][1]
+        assert agree(ok), kept
 
 
 @pytest.mark.mpi
