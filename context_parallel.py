@@ -79,6 +79,7 @@ import collections
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import importlib.util
 import io
@@ -97,6 +98,7 @@ import zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
@@ -108,6 +110,7 @@ STRATEGY = "context_parallel"
 # reported (tests). Measured after 50 steps of 2 blocks, hidden 32, 48 positions: at most 8.0e-7 for
 # the ring and the all-gather (N = 1 to 4, both layouts), 7.2e-7 for the all-to-all (N = 1, 2, 4).
 TOLERANCE = 2e-5
+TOLERANCE_BF16 = 1e-2  # to be measured
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 VOCAB = 128  # the ASCII codes
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
@@ -156,13 +159,19 @@ def block_plan(query_positions, key_positions, device):
                                  mask=None if seen.all() else (~seen).to(device))
 
 
+def wide(dtype):
+    """The dtype of the softmax's statistics and of every sum: float32 for bf16 values, else theirs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def block_attention(q, k, v, plan):
-    """The plan's queries against one block of keys: the block's output and log-sum-exp."""
-    scores = q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1) / math.sqrt(q.size(-1))
+    """The plan's queries against one block of keys: the block's output and log-sum-exp, both wide
+    (the matmuls in the dtype of q, k, v; the scores, their exp and lse in float32 or wider)."""
+    scores = (q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1)).to(wide(q.dtype)) / math.sqrt(q.size(-1))
     if plan.mask is not None:
         scores = scores.masked_fill(plan.mask, float("-inf"))
     lse = scores.logsumexp(dim=-1)
-    return (scores - lse.unsqueeze(-1)).exp() @ v[:, :, plan.cols], lse
+    return ((scores - lse.unsqueeze(-1)).exp().to(v.dtype) @ v[:, :, plan.cols]).to(lse.dtype), lse
 
 
 def merge(out, lse, block_out, block_lse, rows):
@@ -191,24 +200,25 @@ def blockwise_softmax_demo(blocks=4, t=12, d=8, seed=0):
 
 def block_gradients(q, k, v, dout, lse, delta, plan, dq, dk, dv):
     """Backward of one block, the scores recomputed and normalized by the final lse (so they are
-    the block's share of the whole softmax): adds into dq, and into the block's dk and dv."""
-    scale, rows, cols = 1 / math.sqrt(q.size(-1)), plan.rows, plan.cols
-    qr, kc, vc, dor = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
-    scores = qr @ kc.transpose(-2, -1) * scale
+    the block's share of the whole softmax): adds into dq, and into the block's dk and dv (all wide;
+    the matmuls in the dtype of q, k, v, the softmax's algebra wide)."""
+    scale, rows, cols, low, w = 1 / math.sqrt(q.size(-1)), plan.rows, plan.cols, q.dtype, lse.dtype
+    qr, kc, vc, dor = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows].to(q.dtype)
+    scores = (qr @ kc.transpose(-2, -1)).to(w) * scale
     if plan.mask is not None:
         scores = scores.masked_fill(plan.mask, float("-inf"))
     weights = (scores - lse[:, :, rows].unsqueeze(-1)).exp()
-    dv.index_add_(2, cols, weights.transpose(-2, -1) @ dor)
-    dscores = weights * (dor @ vc.transpose(-2, -1) - delta[:, :, rows].unsqueeze(-1)) * scale
-    dq.index_add_(2, rows, dscores @ kc)
-    dk.index_add_(2, cols, dscores.transpose(-2, -1) @ qr)
+    dv.index_add_(2, cols, (weights.to(low).transpose(-2, -1) @ dor).to(w))
+    dscores = weights * ((dor @ vc.transpose(-2, -1)).to(w) - delta[:, :, rows].unsqueeze(-1)) * scale
+    dq.index_add_(2, rows, (dscores.to(low) @ kc).to(w))
+    dk.index_add_(2, cols, (dscores.to(low).transpose(-2, -1) @ qr).to(w))
 
 
 def softmax_delta(dout, out):
     """Softmax's backward is dS = P (dP - rowsum(P dP)) with dP = dO V^T. Its row sum needs every
     block's P, but rowsum(P dO V^T) = rowsum(dO (P V)) = rowsum(dO O): one number per query, from
     the output (FlashAttention's D), computed once before the blocks go round."""
-    return (dout * out).sum(-1)
+    return (dout.to(wide(out.dtype)) * out.to(wide(out.dtype))).sum(-1)
 
 
 class RingAttention(torch.autograd.Function):
@@ -235,6 +245,7 @@ class RingAttention(torch.autograd.Function):
                         merge(out, lse, block_out, block_lse, plan.rows)
             if exchange:
                 spare, kv = kv, exchange.wait()
+        out = out.to(q.dtype)  # out in the dtype of q (what proj casts it to anyway); lse stays wide
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp = cp
         ctx.mark_non_differentiable(lse)
@@ -246,14 +257,14 @@ class RingAttention(torch.autograd.Function):
         cp, dout = ctx.cp, dout.contiguous()
         size, rank = cp.comm.Get_size(), cp.comm.Get_rank()
         delta = softmax_delta(dout, out)
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=wide(q.dtype))  # sums are wide: dq here, dK/dV round the ring
         kv, spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
         accumulator = None  # the dK/dV of the block in hand from the ranks before, on its way here
         for i in range(size):
             exchange = RingExchange(cp.comm, kv, spare, TAG_KV) if i < size - 1 else None
             if exchange and not cp.overlap:
                 exchange.wait()
-            partial = torch.zeros_like(kv)  # this rank's share of the block's dK, dV
+            partial = torch.zeros_like(kv, dtype=dq.dtype)  # this rank's share of the block's dK, dV
             plan = cp.plans[(rank - i) % size]
             if plan is not None:
                 with cp.timeline.span("compute", "attention block"):
@@ -288,6 +299,7 @@ class AllGatherAttention(torch.autograd.Function):
         with cp.timeline.span("compute", "attention block"):
             cp.count(cp.gathered_plan, q)
             out, lse = block_attention(q, keys, values, cp.gathered_plan)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K, V: gathered again in backward
         ctx.cp = cp
         ctx.mark_non_differentiable(lse)
@@ -298,12 +310,12 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, dout, size = ctx.cp, dout.contiguous(), ctx.cp.comm.Get_size()
         keys, values = AllGatherAttention.gather(cp.comm, k, v)
-        dq, dkv = torch.zeros_like(q), torch.zeros((2, *keys.shape), dtype=k.dtype, device=k.device)
+        dq, dkv = torch.zeros_like(q, dtype=wide(q.dtype)), torch.zeros((2, *keys.shape), dtype=wide(k.dtype), device=k.device)
         with cp.timeline.span("compute", "attention block"):
-            block_gradients(q, keys, values, dout, lse, softmax_delta(dout, out), cp.gathered_plan, dq, dkv[0], dkv[1])
+            block_gradients(q, keys, values, dout, lse, softmax_delta(dout, out), cp.gathered_plan, dq, *dkv)
         b, heads, t, d = k.shape
         every = dkv.view(2, b, heads, size, t, d).permute(3, 0, 1, 2, 4, 5).contiguous()  # rank s's at [s]
-        mine = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        mine = torch.empty((2, *k.shape), dtype=dkv.dtype, device=k.device)  # a sum: wide
         buffer = receive_buffer(mine)
         cp.comm.Reduce_scatter_block(mpi_buffer(every), buffer, op=MPI.SUM)
         dk, dv = from_mpi(mine, buffer)
@@ -344,6 +356,7 @@ class AllToAllAttention(torch.autograd.Function):
         with cp.timeline.span("compute", "attention block"):
             cp.count(cp.whole_plan, q)
             out, lse = block_attention(q, k, v, cp.whole_plan)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # H/N heads of T positions: as many bytes as H of T/N
         ctx.cp = cp
         ctx.mark_non_differentiable(lse)
@@ -353,10 +366,10 @@ class AllToAllAttention(torch.autograd.Function):
     def backward(ctx, dout, _):
         q, k, v, out, lse = ctx.saved_tensors
         cp, dout = ctx.cp, sequence_to_heads(ctx.cp.comm, dout.contiguous())
-        grads = torch.zeros((3, *q.shape), dtype=q.dtype, device=q.device)
+        grads = torch.zeros((3, *q.shape), dtype=wide(q.dtype), device=q.device)
         with cp.timeline.span("compute", "attention block"):
             block_gradients(q, k, v, dout, lse, softmax_delta(dout, out), cp.whole_plan, *grads)
-        dq, dk, dv = heads_to_sequence(cp.comm, grads)
+        dq, dk, dv = heads_to_sequence(cp.comm, grads.to(q.dtype))  # a move: in the dtype of q
         return dq, dk, dv, None
 
 
@@ -392,6 +405,7 @@ def context_parallel_model(args, comm, timeline, device):
     model = build_model(args, device)
     model.attention = ContextParallelAttention(comm, shard_positions(args.seq_len, comm.Get_size(), args.layout),
                                                args.cp_comm, not args.no_overlap, timeline, device)
+    model.recompute = args.recompute
     return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
@@ -407,12 +421,13 @@ def sum_gradients(model, comm):
         offset += p.numel()
 
 
-def train_step(model, optimizer, x, y, positions, tokens, comm, timeline, meter):
+def train_step(model, optimizer, x, y, positions, args, comm, timeline, meter):
     """One step on this rank's positions of every sequence; returns the loss of the whole batch."""
     optimizer.zero_grad()
-    with timeline.span("compute", "forward"), meter:
-        logits = model(x, positions)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / tokens
+    with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16,
+                                                                     enabled=args.precision == "bf16"):
+        logits = model(x, positions).float()  # the loss in float32
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (args.batch_size * args.seq_len)
     with timeline.span("compute", "backward"):
         loss.backward()
     sum_gradients(model, comm)
@@ -457,9 +472,9 @@ def from_mpi(t, buffer):
 # -----------------------------------------------------------------------------
 def causal_attention(q, k, v):
     """Plain causal attention of one process on whole sequences (b x heads x T x d): the reference."""
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    scores = (q @ k.transpose(-2, -1)).to(wide(q.dtype)) / math.sqrt(q.size(-1))  # the softmax wide
     future = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
+    return scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(v.dtype) @ v
 
 
 class Block(nn.Module):
@@ -474,10 +489,12 @@ class Block(nn.Module):
         self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
-    def forward(self, x, attention):
+    def forward(self, x, attention, recompute="none"):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
                    for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        if recompute == "selective":  # attention's core: q, k, v kept, its forward rerun in backward
+            attention = functools.partial(checkpoint, attention, use_reentrant=True, preserve_rng_state=False)
         x = x + self.proj(attention(q, k, v).transpose(1, 2).reshape(b, t, c))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -491,12 +508,13 @@ class GPT(nn.Module):
         self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
         self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
-        self.attention = causal_attention
+        self.attention, self.recompute = causal_attention, "none"
 
     def forward(self, idx, positions):
         x = self.tokens(idx) + self.positions(positions)  # global positions, whichever rank holds them
         for block in self.blocks:
-            x = block(x, self.attention)
+            x = (checkpoint(block, x, self.attention, use_reentrant=True, preserve_rng_state=False)  # keeps x alone
+                 if self.recompute == "full" else block(x, self.attention, self.recompute))
         return self.out(self.norm(x))
 
 
@@ -548,8 +566,7 @@ def train(args, comm, run, model, optimizer, meter, past=()):
         start = time.perf_counter()
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         x, y = x[:, positions].to(run.device), y[:, positions].to(run.device)
-        losses.append(train_step(model, optimizer, x, y, positions.to(run.device),
-                                 args.batch_size * args.seq_len, comm, run.timeline, meter))
+        losses.append(train_step(model, optimizer, x, y, positions.to(run.device), args, comm, run.timeline, meter))
         records.append(run.timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print_progress(comm, args, step, losses[-1], records[-1])
@@ -617,8 +634,8 @@ def reference_training(args):
     losses, positions = [], torch.arange(args.seq_len)
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        with meter if step == 0 else contextlib.nullcontext():
-            loss = F.cross_entropy(model(x, positions).flatten(0, 1), y.flatten())
+        with meter if step == 0 else contextlib.nullcontext(), autocast(args):
+            loss = F.cross_entropy(model(x, positions).float().flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -631,10 +648,15 @@ def one_process_activations(args):
     model = build_model(args)
     model.attention = ContextParallelAttention(MPI.COMM_SELF, torch.arange(args.seq_len).view(1, -1), args.cp_comm,
                                                True, Timeline(torch.device("cpu")), torch.device("cpu"))
+    model.recompute = args.recompute
     x, y = make_batch(args.seed, 0, args.batch_size, args.seq_len)
-    with SavedBytes(model) as meter:
-        F.cross_entropy(model(x, torch.arange(args.seq_len)).flatten(0, 1), y.flatten(), reduction="sum")
+    with SavedBytes(model) as meter, autocast(args):
+        F.cross_entropy(model(x, torch.arange(args.seq_len)).float().flatten(0, 1), y.flatten(), reduction="sum")
     return meter.bytes
+
+def autocast(args):
+    """The reference's bf16 as the ranks': autocast on the CPU, where the reference runs."""
+    return torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16")
 
 def check(comm, args, losses, model):
     """Rank 0 trains the reference on its CPU and compares (every rank holds the same model);
@@ -651,16 +673,23 @@ def check(comm, args, losses, model):
 
 class SavedBytes:
     """Bytes autograd saves for backward during a forward, measured with saved-tensor hooks (as
-    pipeline_parallel.py's ActivationMeter): each storage once, parameters left out. All of it
-    stays alive until backward, so the total at the end of forward is the saved activations' peak."""
+    pipeline_parallel.py's ActivationMeter): each storage once, parameters and autocast's bf16
+    copies of them left out (a copy, or its view such as a weight's transpose, is made by a cast,
+    ToCopyBackward0, straight from a parameter's AccumulateGrad). All of it stays alive until
+    backward, so the total at the end of forward is the saved activations' peak."""
 
     def __init__(self, model):
         self.fixed = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.parameters = {id(p) for p in model.parameters()}
         self.bytes, self.storages = 0, {}
+
+    def parameter_copy(self, t):
+        fn = (t if t._base is None else t._base).grad_fn
+        return type(fn).__name__ == "ToCopyBackward0" and id(getattr(fn.next_functions[0][0], "variable", None)) in self.parameters
 
     def pack(self, t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self.fixed:
+        if storage.data_ptr() not in self.fixed and not self.parameter_copy(t):
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -704,10 +733,16 @@ def restore(comm, model, optimizer, shard):
 # --- Report: header, the summary and --json ----------------------------------
 def formulas(args, world_size, params):
     """The docstring's bytes per step and rank; each rank's causal pairs and its scores computed
-    (masked or not), of one layer and sequence, summed over the heads the rank attends for."""
-    n, t, L, h = world_size, args.seq_len, args.layers, args.heads
-    block = 4 * args.batch_size * (t // n) * args.hidden  # S: one rank's K (or V) of one layer
-    exchange = L * block * {"ring": 2 * (3 * n - 2), "allgather": 2 * (n + 2), "alltoall": 8}[args.cp_comm]
+    (masked or not), of one layer and sequence, summed over the heads the rank attends for; the
+    activation bytes a rank saves for backward."""
+    n, t, L, h, e = world_size, args.seq_len, args.layers, args.heads, 2 if args.precision == "bf16" else 4
+    S, r = args.batch_size * (t // n) * args.hidden, int(args.recompute != "none")  # r: the forward's exchange again
+    exchange = L * S * {"ring": 2 * ((2 + r) * e * (n - 1) + 4 * n), "allgather": 2 * ((2 + r) * e + 4 * n),
+                        "alltoall": 4 * (2 + r) * e}[args.cp_comm]
+    bs, s = args.batch_size * (t // n), t // n  # this rank's positions of all sequences, of one sequence
+    per_block = {"none": S * (8 + 15 * e) + 16 * bs + 4 * h * bs, "selective": S * (8 + 14 * e) + 16 * bs,
+                 "full": 4 * S}[args.recompute]
+    activations = 8 * bs + 8 * s + L * per_block + (4 + e) * S + 8 * bs + 4 * bs * VOCAB + 8 * bs + 4
     b, c = t // n, t // (2 * n)
     if args.cp_comm == "alltoall":  # H/N heads over the whole sequence, whatever the layout
         pairs, scores = [h // n * t * (t + 1) // 2] * n, [h // n * t * t] * n
@@ -717,7 +752,7 @@ def formulas(args, world_size, params):
         pairs = [h * ((2 * n - 1) * c * c + c * (c + 1))] * n
         scores = ([h * 2 * (n + 1) * c * c] * n if args.cp_comm == "ring"  # 4c^2 its own, 2c^2 every other
                   else [h * 2 * c * (2 * n - r) * c for r in range(n)])  # the all-gather: up to its last key
-    return exchange + 4 * params + 8, exchange, pairs, scores
+    return exchange + 4 * params + 8, exchange, pairs, scores, activations
 
 def print_header(comm, args, run, model, resumed):
     n, params = comm.Get_size(), sum(p.numel() for p in model.parameters())
@@ -740,7 +775,7 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
     params = sum(p.numel() for p in model.parameters())
     sent = sum(b for name, b in counted.bytes.items() if name != "Irecv") / steps_run  # Irecv: bytes received
     calls = {name: c / steps_run for name, c in counted.calls.items()}
-    total_formula, exchange_formula, pairs_formula, scores_formula = formulas(args, n, params)
+    total_formula, exchange_formula, pairs_formula, scores_formula, saved_formula = formulas(args, n, params)
     tally = model.attention.tally
     pairs = comm.allgather(tally["pairs"] // max(1, tally["calls"]))
     scores = comm.allgather(tally["scores"] // max(1, tally["calls"]))
@@ -750,16 +785,19 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
     if args.cp_comm == "ring":
         overlap["kv_messages_under_compute"] = [int(v) for v in comm.allreduce(
             torch.tensor(kv_messages_under_compute(run.timeline.step_events))).tolist()]
-    attention = {"ring": ("L x 2S x (3N-2)", "K/V forward and backward, dK/dV home"),
-                 "allgather": ("L x 2S x (N+2)", "Allgather twice, Reduce_scatter_block"),
-                 "alltoall": ("L x 8S", "Q, K, V, the output, dO, dQ, dK, dV by Alltoall")}[args.cp_comm]
+    attention = {"ring": ("L x 2S x ((2+r)e(N-1) + 4N)", "K/V forward and backward, dK/dV home"),
+                 "allgather": ("L x 2S x ((2+r)e + 4N)", "Allgather twice, Reduce_scatter_block"),
+                 "alltoall": ("L x 4S x (2+r)e", "Q, K, V, the output, dO, dQ, dK, dV by Alltoall")}[args.cp_comm]
+    r, e = int(args.recompute != "none"), 2 if args.precision == "bf16" else 4
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              f"bytes handed to MPI per step and rank: {sent:,.0f} counted; formula {attention[0]} + 4P + 8 = "
-             f"{exchange_formula:,} ({attention[1]}) + {4 * params + 8:,} (gradients, loss) = {total_formula:,}",
+             f"{exchange_formula:,} ({attention[1]}{', the forward again' if r else ''}; e = {e}, r = {r}) + "
+             f"{4 * params + 8:,} (gradients, loss) = {total_formula:,}",
              f"causal pairs per rank (one layer and sequence, over its heads): {pairs}, formula {pairs_formula}; "
              f"scores computed (masked or not): {scores}, formula {scores_formula}",
-             f"activation bytes saved for backward per rank: {', '.join(f'{b:,}' for b in saved)}"
+             f"activation bytes saved for backward per rank: {', '.join(f'{b:,}' for b in saved)}, formula "
+             f"{saved_formula:,} (--recompute {args.recompute})"
              + (f"; one process (this attention, whole sequence): {one:,}, against {n} x rank 0's {n * saved[0]:,}; "
                 f"plain attention: {plain:,} (it saves the T x T weights)" if one else "")]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
@@ -769,7 +807,7 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
         "messages_per_step": calls.get("Isend", 0), "calls_by_kind": calls,
         "causal_pairs_per_rank": pairs, "causal_pairs_formula": pairs_formula, "scores_computed_per_rank": scores,
         "scores_computed_formula": scores_formula,
-        "activation_bytes_per_rank": saved, "activation_bytes_one_process": one,
+        "activation_bytes_per_rank": saved, "activation_bytes_formula": saved_formula, "activation_bytes_one_process": one,
         "activation_bytes_plain_attention": plain, "parameters": params})
 
 def parse_args(argv, world_size):
