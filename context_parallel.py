@@ -395,7 +395,7 @@ def sum_gradients(model, comm):
     is the gradient of the whole loss: one Allreduce of all of them."""
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     buffer = mpi_buffer(flat)
-    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)  # float32 in either precision: MPI cannot sum bf16
     flat, offset = from_mpi(flat, buffer), 0
     for p in model.parameters():
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -404,8 +404,8 @@ def sum_gradients(model, comm):
 def train_step(model, optimizer, x, y, positions, args, comm, timeline, meter):
     """One step on this rank's positions of every sequence; returns the loss of the whole batch."""
     optimizer.zero_grad()
-    with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16,
-                                                                     enabled=args.precision == "bf16"):
+    bf16 = args.precision == "bf16"  # the matmuls on bf16 copies of the float32 weights (the master weights)
+    with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
         logits = model(x, positions).float()  # the loss in float32
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (args.batch_size * args.seq_len)
     with timeline.span("compute", "backward"):

@@ -379,6 +379,7 @@ def test_launched_ring_passes_its_check_with_counts_beside_formulas_and_a_trace(
     assert len(set(run["scores_computed_per_rank"])) == 1  # zigzag: the same blocks computed on every rank
     assert run["overlap"] == {"kv_messages_under_compute": [4 * 2 * 18, 4 * 2 * 20]}
     assert all(abs(b * 4 - run["activation_bytes_one_process"]) <= 16 for b in run["activation_bytes_per_rank"])
+    assert run["activation_bytes_per_rank"] == [run["activation_bytes_formula"]] * 4
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     for rank in range(4):
         names = {e["name"] for e in trace if e["ph"] == "X" and e["pid"] == rank}
@@ -386,16 +387,20 @@ def test_launched_ring_passes_its_check_with_counts_beside_formulas_and_a_trace(
 
 
 @pytest.mark.e2e
-def test_launched_contiguous_without_overlap_with_every_buffer_staged():
-    """--layout contiguous --no-overlap at N = 3, every buffer handed to MPI a host copy (each copy
-    back exercised): the check passes, the pairs are those of the formula and unequal, none of the
+def test_launched_contiguous_without_overlap_in_bf16_recomputing_blocks_with_every_buffer_staged():
+    """--layout contiguous --no-overlap --precision bf16 --recompute full at N = 3, every buffer
+    handed to MPI a host copy (each copy back exercised, bf16 ones included): the bf16 check passes,
+    bytes and activation bytes equal their formulas, the forward's K/V ring comes again in backward
+    (L(4N-3) Isends a step, not L(3N-2)), the pairs are those of the formula and unequal, none of the
     K/V messages is in flight during a block."""
     run = last_json(launch("context_parallel.py", 3, *E2E, "--layout", "contiguous", "--no-overlap",
-                           env=clean_env(STAGE_ALL=1)))
-    assert run["check_max_abs_diff"] <= cp.TOLERANCE and run["comm_bytes_per_step"] == run["comm_bytes_formula"]
+                           "--precision", "bf16", "--recompute", "full", env=clean_env(STAGE_ALL=1)))
+    assert (run["precision"], run["recompute"]) == ("bf16", "full") and run["check_max_abs_diff"] <= cp.TOLERANCE_BF16
+    assert run["comm_bytes_per_step"] == run["comm_bytes_formula"] and run["messages_per_step"] == 2 * 9
+    assert run["activation_bytes_per_rank"] == [run["activation_bytes_formula"]] * 3
     assert run["causal_pairs_per_rank"] == run["causal_pairs_formula"] == [272, 784, 1296]  # 2 heads
     assert run["scores_computed_per_rank"] == run["scores_computed_formula"] == [512, 1024, 1536]
-    assert run["overlap"] == {"kv_messages_under_compute": [0, 3 * 2 * 14]}
+    assert run["overlap"] == {"kv_messages_under_compute": [0, 3 * 2 * 2 * 9]}  # 3 ranks, Isend and Irecv
 
 
 @pytest.mark.e2e
