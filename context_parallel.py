@@ -20,7 +20,8 @@ for a split of the heads and back (Jacobs et al. 2023, DeepSpeed-Ulysses).
   ring attention, one layer on rank r, N steps (--cp-comm ring, the default):
      step i: the K/V block of rank r-i is in hand: Irecv the next from rank r-1, Isend this one to
              rank r+1 (double-buffered), compute the local queries against it under the causal mask
-             of the global positions (skipped when all masked), Waitall and swap.
+             of the global positions (skipped when all masked), Waitall and swap. Whether the bytes
+             move during the compute is the MPI's doing (MPICH's default: only inside MPI calls).
              rank 0 --K,V--> rank 1 --K,V--> rank 2 --K,V--> rank 3 --K,V--> rank 0
      merge:  out_b, lse_b: the softmax over the block's keys alone, lse_b = log sum_j e^s_j and out_b =
              sum_j e^(s_j - lse_b) v_j. Over both sets of keys, the softmax is their average weighted
@@ -44,25 +45,23 @@ sum bf16, which it passes as bytes). What only moves is bf16: K/V round the ring
 the Alltoalls. Float32: every sum (dQ, dK/dV going home, Reduce_scatter_block, Allreduce), the
 scores, max and lse, the merged output, the residual stream (so LayerNorm's statistics), the loss.
 Bytes handed to MPI per step and rank (L blocks, b sequences of T characters, hidden h, P parameters,
-S = b(T/N)h values: one rank's K or V of one layer, e bytes each: 4, or 2 in bf16; r = 1 when
+S = b(T/N)h values: one rank's K or V of one layer, e bytes each: 4, or 2 in bf16; R = 1 when
 --recompute reruns the forward's exchange in backward (selective, full), else 0):
-  ring:      L x 2S x ((2+r)e(N-1) + 4N): K/V N-1 hops forward (twice if r) and backward, dK/dV N
-             hops home in float32 (at N = 1, one to itself), in L x (3N-2 + r(N-1)) Isends
-  allgather: L x 2S x ((2+r)e + 4N): 2S to each of 2+r Allgathers, the float32 2SN of all dK, dV to a
+  ring:      L x 2S x ((2+R)e(N-1) + 4N): K/V N-1 hops forward (twice if R) and backward, dK/dV N
+             hops home in float32 (at N = 1, one to itself), in L x (3N-2 + R(N-1)) Isends
+  allgather: L x 2S x ((2+R)e + 4N): 2S to each of 2+R Allgathers, the float32 2SN of all dK, dV to a
              Reduce_scatter_block (a ring algorithm forwards what it gathers: (N-1) x 2S a gather)
-  alltoall:  L x 4S x (2+r)e: Q, K, V in and the output back (again if r), dO in and dQ, dK, dV back;
+  alltoall:  L x 4S x (2+R)e: Q, K, V in and the output back (again if R), dO in and dQ, dK, dV back;
              (N-1)/N leaves the rank. As T grows with N, S stays, where the ring's bytes grow with N
-  all:       + 4P (an Allreduce of the gradients: each rank saw other tokens of the same sequences)
-             + 8 (the loss, float64: the token losses over all b x T tokens)
-The ring posts each Isend and Irecv before its block's compute and waits after it; whether the
-bytes move meanwhile is the MPI's doing (MPICH by default progresses only inside MPI calls).
+  all:       + 4P (the gradients' Allreduce: ranks saw other tokens of the same sequences) + 8 (the
+             loss, float64: the sum of token losses over all b x T tokens)
 Recomputation: torch.utils.checkpoint, reentrant: it keeps fn's inputs by save_for_backward (there
 the saved-tensor hooks that measure activations see them; the non-reentrant form hides them), runs
 fn without autograd, and in backward reruns it under the forward's autocast and backpropagates.
 --recompute full: a block keeps its input alone; selective: attention's core (scores, mask, softmax,
 times V) keeps q, k, v. No variant keeps attention's weights, which Korthikanti et al.'s selective
 drops (backward recomputes them from lse): selective here drops only the output and lse, and pays
-with attention's forward again in backward, exchanges included (r above): a poor trade here.
+with attention's forward again in backward, exchanges included (R above): a poor trade here.
 Memory, bytes saved for backward per rank and block (s = T/N, H heads; 1/N of one process's):
   none bsh(8 + 15e) + 16bs + 4Hbs: float32 the LayerNorms' inputs, mean, rstd, lse; e: q, k, v, the
   output, the inputs of qkv, proj and fc1, GELU's and fc2's (4h each); selective bsh(8 + 14e) + 16bs
@@ -627,8 +626,7 @@ def one_process_activations(args):
         F.cross_entropy(model(x, torch.arange(args.seq_len)).float().flatten(0, 1), y.flatten(), reduction="sum")
     return meter.bytes
 
-def autocast(args):
-    """The reference's bf16 as the ranks': autocast on the CPU, where the reference runs."""
+def autocast(args):  # the ranks' bf16, on the CPU where the reference runs
     return torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16")
 
 def check(comm, args, losses, model):
@@ -646,23 +644,20 @@ def check(comm, args, losses, model):
 
 class SavedBytes:
     """Bytes autograd saves for backward during a forward, measured with saved-tensor hooks (as
-    pipeline_parallel.py's ActivationMeter): each storage once, parameters and autocast's bf16
-    copies of them left out (a copy, or its view such as a weight's transpose, is made by a cast,
-    ToCopyBackward0, straight from a parameter's AccumulateGrad). All of it stays alive until
-    backward, so the total at the end of forward is the saved activations' peak."""
+    pipeline_parallel.py's ActivationMeter): each storage once, the parameters left out, and their
+    bf16 copies under autocast: a tensor (or its base, for a view as a weight's transpose) cast by
+    ToCopyBackward0 from a parameter's AccumulateGrad. All of it stays alive until backward."""
 
     def __init__(self, model):
         self.fixed = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.parameters = {id(p) for p in model.parameters()}
+        self.ids = {id(p) for p in model.parameters()}
         self.bytes, self.storages = 0, {}
 
-    def parameter_copy(self, t):
-        fn = (t if t._base is None else t._base).grad_fn
-        return type(fn).__name__ == "ToCopyBackward0" and id(getattr(fn.next_functions[0][0], "variable", None)) in self.parameters
-
     def pack(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.fixed and not self.parameter_copy(t):
+        storage, cast = t.untyped_storage(), (t if t._base is None else t._base).grad_fn
+        if type(cast).__name__ == "ToCopyBackward0" and id(getattr(cast.next_functions[0][0], "variable", 0)) in self.ids:
+            return t  # a parameter's bf16 copy
+        if storage.data_ptr() not in self.fixed:
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -705,18 +700,16 @@ def restore(comm, model, optimizer, shard):
 
 # --- Report: header, the summary and --json ----------------------------------
 def formulas(args, world_size, params):
-    """The docstring's bytes per step and rank; each rank's causal pairs and its scores computed
-    (masked or not), of one layer and sequence, summed over the heads the rank attends for; the
-    activation bytes a rank saves for backward."""
+    """The docstring's bytes per step and rank and activation bytes per rank; each rank's causal pairs
+    and scores computed (masked or not) of one layer and sequence, summed over the heads it attends for."""
     n, t, L, h, e = world_size, args.seq_len, args.layers, args.heads, 2 if args.precision == "bf16" else 4
-    S, r = args.batch_size * (t // n) * args.hidden, int(args.recompute != "none")  # r: the forward's exchange again
-    exchange = L * S * {"ring": 2 * ((2 + r) * e * (n - 1) + 4 * n), "allgather": 2 * ((2 + r) * e + 4 * n),
-                        "alltoall": 4 * (2 + r) * e}[args.cp_comm]
-    bs, s = args.batch_size * (t // n), t // n  # this rank's positions of all sequences, of one sequence
+    b, c, R = t // n, t // (2 * n), int(args.recompute != "none")  # R = 1: the forward's exchange again
+    bs, S = args.batch_size * b, args.batch_size * b * args.hidden  # S: one rank's K (or V) of a layer, in values
+    exchange = L * S * {"ring": 2 * ((2 + R) * e * (n - 1) + 4 * n), "allgather": 2 * ((2 + R) * e + 4 * n),
+                        "alltoall": 4 * (2 + R) * e}[args.cp_comm]
     per_block = {"none": S * (8 + 15 * e) + 16 * bs + 4 * h * bs, "selective": S * (8 + 14 * e) + 16 * bs,
                  "full": 4 * S}[args.recompute]
-    activations = 8 * bs + 8 * s + L * per_block + (4 + e) * S + 8 * bs + 4 * bs * VOCAB + 8 * bs + 4
-    b, c = t // n, t // (2 * n)
+    activations = L * per_block + (4 + e) * S + 4 * bs * VOCAB + 24 * bs + 8 * b + 4
     if args.cp_comm == "alltoall":  # H/N heads over the whole sequence, whatever the layout
         pairs, scores = [h // n * t * (t + 1) // 2] * n, [h // n * t * t] * n
     elif args.layout == "contiguous":  # the blocks up to its own (the all-gather's keys likewise)
@@ -758,14 +751,14 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
     if args.cp_comm == "ring":
         overlap["kv_messages_under_compute"] = [int(v) for v in comm.allreduce(
             torch.tensor(kv_messages_under_compute(run.timeline.step_events))).tolist()]
-    attention = {"ring": ("L x 2S x ((2+r)e(N-1) + 4N)", "K/V forward and backward, dK/dV home"),
-                 "allgather": ("L x 2S x ((2+r)e + 4N)", "Allgather twice, Reduce_scatter_block"),
-                 "alltoall": ("L x 4S x (2+r)e", "Q, K, V, the output, dO, dQ, dK, dV by Alltoall")}[args.cp_comm]
-    r, e = int(args.recompute != "none"), 2 if args.precision == "bf16" else 4
+    attention = {"ring": ("L x 2S x ((2+R)e(N-1) + 4N)", "K/V forward and backward, dK/dV home"),
+                 "allgather": ("L x 2S x ((2+R)e + 4N)", "Allgather twice, Reduce_scatter_block"),
+                 "alltoall": ("L x 4S x (2+R)e", "Q, K, V, the output, dO, dQ, dK, dV by Alltoall")}[args.cp_comm]
+    R, e = int(args.recompute != "none"), 2 if args.precision == "bf16" else 4
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              f"bytes handed to MPI per step and rank: {sent:,.0f} counted; formula {attention[0]} + 4P + 8 = "
-             f"{exchange_formula:,} ({attention[1]}{', the forward again' if r else ''}; e = {e}, r = {r}) + "
+             f"{exchange_formula:,} ({attention[1]}{', the forward again' if R else ''}; e = {e}, R = {R}) + "
              f"{4 * params + 8:,} (gradients, loss) = {total_formula:,}",
              f"causal pairs per rank (one layer and sequence, over its heads): {pairs}, formula {pairs_formula}; "
              f"scores computed (masked or not): {scores}, formula {scores_formula}",
