@@ -1,77 +1,79 @@
 r"""Context parallelism over MPI: the sequence split across the ranks; attention by ring, all-gather or all-to-all.
 
-What is split: the sequence. Every rank holds the whole model and every sequence of the global
-batch, but only T/N of each sequence's positions (N = the world size = the number of shards). All
-that a transformer does token by token (embeddings, LayerNorms, the linears, the MLP, the loss)
-needs nothing from the other ranks. Attention does: a query attends to the keys of every earlier
-position, wherever they are. So the keys and values travel around a ring of ranks, one block at a
-time, while each rank computes its queries against the block in hand (Liu et al. 2023, "Ring
-Attention"), merging the partial results with the softmax's log-sum-exp. Or the ranks trade the
-sequence split for a split of the heads and back (Jacobs et al. 2023, DeepSpeed-Ulysses).
+What is split: the sequence. Every rank holds the whole model and every sequence of the batch, but
+only T/N of each sequence's positions (N = the world size). What a transformer does token by token
+(embeddings, LayerNorms, linears, MLP, loss) needs nothing from the other ranks; attention does: a
+query attends to every earlier key. So keys and values travel round a ring of ranks a block at a
+time while each rank computes its queries against the block in hand, merging partial results by
+the softmax's log-sum-exp (Liu et al. 2023, "Ring Attention"); or the ranks trade the sequence split
+for a split of the heads and back (Jacobs et al. 2023, DeepSpeed-Ulysses).
 
-  T positions, N = 4 ranks. --layout zigzag (the default): 2N chunks, rank r holds r and 2N-1-r
-     chunk   0    1    2    3    4    5    6    7
-     rank    0    1    2    3    3    2    1    0
-  --layout contiguous: rank r holds positions [rT/N, (r+1)T/N), the blocks 0 1 2 3 in order
-
-  causal work (# a block of keys computed, \ the diagonal, . skipped: all masked)
+  --layout zigzag (the default): 2N chunks, rank r holds r and 2N-1-r (N = 4: chunks 0..7 on ranks
+  0 1 2 3 3 2 1 0); --layout contiguous: rank r holds [rT/N, (r+1)T/N). Causal work (# a block of
+  keys computed, \ the diagonal, . skipped: all masked):
      contiguous, blocks of T/N            zigzag, chunks of T/2N: every rank the same work
      keys:    0 1 2 3                     keys:     0 1 2 3 4 5 6 7
      rank 0   \ . . .                     rank 0 0  \ . . . . . . .     r x B^2 + B(B+1)/2 pairs
      rank 1   # \ . .                            7  # # # # # # # \     for rank r, contiguous;
      rank 2   # # \ .                     rank 3 3  # # # \ . . . .     (2N-1)c^2 + c(c+1) on every
      rank 3   # # # \                            4  # # # # \ . . .     rank, zigzag (c = T/2N)
-
   ring attention, one layer on rank r, N steps (--cp-comm ring, the default):
-     step i: the K/V block of rank r-i is in hand. Irecv the next one from rank r-1 and Isend this
-             one to rank r+1 (double-buffered), compute the local queries against it with the
-             causal mask of the global positions (skipped when all masked), then Waitall and swap.
+     step i: the K/V block of rank r-i is in hand: Irecv the next from rank r-1, Isend this one to
+             rank r+1 (double-buffered), compute the local queries against it under the causal mask
+             of the global positions (skipped when all masked), Waitall and swap. Whether the bytes
+             move during the compute is the MPI's doing (MPICH's default: only inside MPI calls).
              rank 0 --K,V--> rank 1 --K,V--> rank 2 --K,V--> rank 3 --K,V--> rank 0
      merge:  out_b, lse_b: the softmax over the block's keys alone, lse_b = log sum_j e^s_j and out_b =
              sum_j e^(s_j - lse_b) v_j. Over both sets of keys, the softmax is their average weighted
              by e^lse: out <- (e^lse out + e^lse_b out_b) / (e^lse + e^lse_b) = out - sigmoid(lse_b - lse)
              (out - out_b), and lse <- log(e^lse + e^lse_b) = lse - logsigmoid(lse - lse_b)
-     backward: the K/V blocks go round again; the scores are recomputed from the saved final lse;
-             dQ adds up at home; the dK/dV of a block travels with it, each rank adding its share:
-             rank 0's block:  rank 0 +--> rank 1 +--> rank 2 +--> rank 3 +--> rank 0 (home after N hops)
+     backward: the K/V blocks go round again, the scores recomputed from the saved lse (no weights
+             kept, as FlashAttention); dQ adds up at home; a block's dK/dV travels with it, each rank
+             adding its share:  rank 0 +--> rank 1 +--> rank 2 +--> rank 3 +--> rank 0 (N hops)
   --cp-comm allgather (Llama 3's variant): Allgather K and V, one mask from the global positions;
      backward gathers them again and Reduce_scatter_block sums dK and dV back to their owners.
   --cp-comm alltoall (DeepSpeed-Ulysses): Alltoall Q, K and V from a sequence split to a head split,
        before:  rank r  [ heads 0..H-1 | its T/N positions ]   after:  rank r  [ heads rH/N.. | all T ]
-     causal attention over the whole sequence (mask from the global positions), an Alltoall of the
-     output back; backward mirrors it (Alltoall dO in, gradients, Alltoall dQ, dK, dV back). N must
-     divide the heads. Each rank attends over all T for H/N heads: the same work in either layout,
-     so zigzag's balance buys nothing here (both layouts work).
+     causal attention of H/N heads over all T (the same work in either layout), an Alltoall of the
+     output back; backward mirrors it (dO in; dQ, dK, dV back). N must divide the heads.
 
-Communication per step and rank (L blocks, b sequences of T characters, hidden h, float32;
-S = 4 b (T/N) h bytes, one rank's K or V of one layer; P parameters), bytes handed to MPI to send:
-  ring:      L x 2S x (N-1) K/V forward + L x 2S x (N-1) K/V backward + L x 2S x N dK/dV (N hops home;
-             at N = 1 the one hop is to itself) = L x 2S x (3N-2) in L x (3N-2) Isends
-  allgather: L x 2S to each of 2 Allgathers + L x 2SN to a Reduce_scatter_block (the whole dK, dV)
-             = L x 2S x (N+2). A ring algorithm sends (N-1) x 2S per Allgather and (N-1)/N of the
-             2SN: about L x 2S x 3(N-1) leave each rank
-  alltoall:  L x (3S + S) forward (Q, K, V in, the output back) + L x (S + 3S) backward (dO in; dQ,
-             dK, dV back) = L x 8S in 4L Alltoalls, of which (N-1)/N leaves the rank. S is 4b(T/N)h,
-             so when T grows with N it stays constant, where the ring's 2S(3N-2) grows with N
-  all:       + 4P (one Allreduce of the parameters' gradients) + 8 (the loss, float64)
-The ring posts each Isend and Irecv before its block's compute and waits for them after it. Whether
-the bytes move meanwhile is the MPI's doing: one that progresses messages only inside MPI calls
-(MPICH's default) moves little until the wait; a progress thread or an offloading network does.
-Each rank saw other tokens of the same sequences, so the parameters' gradients are summed; the
-loss is the sum of token losses over the global number of tokens, b x T.
-Memory: the activations saved for backward are those of T/N positions: 1/N of one process's. The
-attention weights are never saved (backward recomputes them). Scores alive at once, per sequence:
-ring (T/N)^2 x heads (one block), all-gather T/N x T x heads, all-to-all T x T x heads/N.
+Precision: --precision bf16 runs forward and loss under torch.autocast(bfloat16), on the ranks and
+in the one-process reference. Parameters stay float32 (the master weights; SGD's momentum too): a
+linear multiplies a bf16 copy of its weight, kept for backward; gradients land and are summed in
+float32 (Megatron's default: bf16 would halve 4P below, but round small terms away, and MPI cannot
+sum bf16, which it passes as bytes). What only moves is bf16: K/V round the ring, the Allgathers,
+the Alltoalls. Float32: every sum (dQ, dK/dV going home, Reduce_scatter_block, Allreduce), the
+scores, max and lse, the merged output, the residual stream (so LayerNorm's statistics), the loss.
+Bytes handed to MPI per step and rank (L blocks, b sequences of T characters, hidden h, P parameters,
+S = b(T/N)h values: one rank's K or V of one layer, e bytes each: 4, or 2 in bf16; R = 1 when
+--recompute reruns the forward's exchange in backward (selective, full), else 0):
+  ring:      L x 2S x ((2+R)e(N-1) + 4N): K/V N-1 hops forward (twice if R) and backward, dK/dV N
+             hops home in float32 (at N = 1, one to itself), in L x (3N-2 + R(N-1)) Isends
+  allgather: L x 2S x ((2+R)e + 4N): 2S to each of 2+R Allgathers, the float32 2SN of all dK, dV to a
+             Reduce_scatter_block (a ring algorithm forwards what it gathers: (N-1) x 2S a gather)
+  alltoall:  L x 4S x (2+R)e: Q, K, V in and the output back (again if R), dO in and dQ, dK, dV back;
+             (N-1)/N leaves the rank. As T grows with N, S stays, where the ring's bytes grow with N
+  all:       + 4P (the gradients' Allreduce: ranks saw other tokens of the same sequences) + 8 (the
+             loss, float64: the sum of token losses over all b x T tokens)
+Recomputation: torch.utils.checkpoint, reentrant: it keeps fn's inputs by save_for_backward (there
+the saved-tensor hooks that measure activations see them; the non-reentrant form hides them), runs
+fn without autograd, and in backward reruns it under the forward's autocast and backpropagates.
+--recompute full: a block keeps its input alone; selective: attention's core (scores, mask, softmax,
+times V) keeps q, k, v. No variant keeps attention's weights, which Korthikanti et al.'s selective
+drops (backward recomputes them from lse): selective here drops only the output and lse, and pays
+with attention's forward again in backward, exchanges included (R above): a poor trade here.
+Memory, bytes saved for backward per rank and block (s = T/N, H heads; 1/N of one process's):
+  none bsh(8 + 15e) + 16bs + 4Hbs: float32 the LayerNorms' inputs, mean, rstd, lse; e: q, k, v, the
+  output, the inputs of qkv, proj and fc1, GELU's and fc2's (4h each); selective bsh(8 + 14e) + 16bs
+  (no output, no lse); full 4bsh. Once: bsh(4 + e) + 4bsV + 24bs + 8s + 4 (head, log-softmax, ids...)
 
-When to choose it: the sequence is so long that one device cannot hold its activations, even with
-tensor parallelism over the heads (which stops at the heads and at the node). Long-context training
-uses the ring family (ring, all-gather), the all-to-all family, or both at once (all-to-all within a
-node, the ring across nodes). The ring has no limit in N and can hide its messages behind
-attention's compute; the all-to-all moves fewer bytes as N grows but exposes them all and stops at
-N = heads; the all-gather is the simplest and holds all of K and V for one layer at a time.
-
+When to choose it: a sequence whose activations one device cannot hold, even with tensor parallelism
+(which stops at the heads and the node). The ring has no limit in N, can hide its messages behind
+compute and holds one block of scores, (T/N)^2 H; the all-to-all moves fewer bytes as N grows but
+exposes them and stops at N = heads (so: all-to-all in a node, ring across), T^2 H/N scores; the
+all-gather is the simplest, and holds all of K and V and T/N x T x H scores.
 The network: tensor_parallel.py's GPT-2 style character model, on Python's argparse, textwrap, shlex.
-Run:  mpirun -np 4 python context_parallel.py            (add --help for the flags)
+Run:  mpirun -np 4 python context_parallel.py            (add --help; --precision bf16, --recompute full)
 The merge alone, without MPI:  python -c "import context_parallel as cp; cp.blockwise_softmax_demo()"
 """
 import argparse
@@ -104,15 +106,12 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "context_parallel"
-# Largest |difference| allowed against single-process training (float32); a nudge of 1.5x it is
-# reported (tests). Measured after 50 steps of 2 blocks, hidden 32, 48 positions: at most 8.0e-7 for
-# the ring and the all-gather (N = 1 to 4, both layouts), 7.2e-7 for the all-to-all (N = 1, 2, 4).
-TOLERANCE = 2e-5
+# Largest |difference| allowed against single-process training; a nudge of 1.5x it is reported (tests).
+# float32, after 50 steps of 2 blocks, hidden 32, 48 positions: at most 8.0e-7 for the ring and the
+# all-gather (N = 1 to 4, both layouts), 7.2e-7 for the all-to-all (N = 1, 2, 4). bf16: MEASURE
+TOLERANCE, TOLERANCE_BF16 = 2e-5, 1e-2
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
-VOCAB = 128  # the ASCII codes
-SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 TAG_KV, TAG_GRAD = 1, 2  # a K/V block, a dK/dV accumulator: two messages apart between one pair of ranks
-
 
 # -----------------------------------------------------------------------------
 # The strategy: the sequence split, ring attention forward and backward, all-gather, all-to-all
@@ -133,7 +132,6 @@ class RingExchange:
         self.requests = []
         return from_mpi(self.recv, self.buffers[1])
 
-
 def shard_positions(seq_len, world_size, layout):
     """Row r: the global positions rank r holds. zigzag: chunks r and 2N-1-r of 2N, so that every
     rank has early and late positions alike; contiguous: the r-th block of T/N."""
@@ -141,7 +139,6 @@ def shard_positions(seq_len, world_size, layout):
         return torch.arange(seq_len).view(world_size, -1)
     chunks = torch.arange(seq_len).view(2 * world_size, -1)
     return torch.stack([torch.cat([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size)])
-
 
 def block_plan(query_positions, key_positions, device):
     """What to compute of one block: the queries that see any of its keys (rows), the keys that
@@ -155,15 +152,19 @@ def block_plan(query_positions, key_positions, device):
     return types.SimpleNamespace(rows=rows.to(device), cols=cols.to(device), pairs=int(seen.sum()),
                                  mask=None if seen.all() else (~seen).to(device))
 
+def wide(dtype):
+    """The dtype of the softmax's statistics and of every sum: float32 for bf16 values, else theirs."""
+    return torch.promote_types(dtype, torch.float32)
 
 def block_attention(q, k, v, plan):
-    """The plan's queries against one block of keys: the block's output and log-sum-exp."""
-    scores = q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1) / math.sqrt(q.size(-1))
+    """The plan's queries against one block of keys: the block's output and log-sum-exp, both wide
+    (the matmuls in the dtype of q, k, v, bf16 under autocast; the scores and their softmax wide)."""
+    scores = q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1)
+    scores = scores.to(wide(q.dtype)) / math.sqrt(q.size(-1))
     if plan.mask is not None:
         scores = scores.masked_fill(plan.mask, float("-inf"))
     lse = scores.logsumexp(dim=-1)
-    return (scores - lse.unsqueeze(-1)).exp() @ v[:, :, plan.cols], lse
-
+    return ((scores - lse.unsqueeze(-1)).exp().to(v.dtype) @ v[:, :, plan.cols]).to(lse.dtype), lse
 
 def merge(out, lse, block_out, block_lse, rows):
     """Fold one block's partial attention into the running one, on the rows it covers, in the
@@ -171,7 +172,6 @@ def merge(out, lse, block_out, block_lse, rows):
     o, s = out[:, :, rows], lse[:, :, rows]
     out[:, :, rows] = o - torch.sigmoid(block_lse - s).unsqueeze(-1) * (o - block_out)
     lse[:, :, rows] = s - F.logsigmoid(s - block_lse)
-
 
 def blockwise_softmax_demo(blocks=4, t=12, d=8, seed=0):
     """No MPI: causal attention of t positions over `blocks` blocks of keys, one at a time, merged as
@@ -188,28 +188,26 @@ def blockwise_softmax_demo(blocks=4, t=12, d=8, seed=0):
           f"largest difference {gap:.1e}")
     return gap
 
-
 def block_gradients(q, k, v, dout, lse, delta, plan, dq, dk, dv):
     """Backward of one block, the scores recomputed and normalized by the final lse (so they are
-    the block's share of the whole softmax): adds into dq, and into the block's dk and dv."""
-    scale, rows, cols = 1 / math.sqrt(q.size(-1)), plan.rows, plan.cols
-    qr, kc, vc, dor = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
-    scores = qr @ kc.transpose(-2, -1) * scale
+    the block's share of the whole softmax): adds into dq, and into the block's dk and dv, which
+    are wide, as the softmax's algebra; the matmuls in the dtype of q, k, v, as the forward's."""
+    scale, rows, cols, low, w = 1 / math.sqrt(q.size(-1)), plan.rows, plan.cols, q.dtype, lse.dtype
+    qr, kc, vc, dor = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows].to(q.dtype)
+    scores = (qr @ kc.transpose(-2, -1)).to(w) * scale
     if plan.mask is not None:
         scores = scores.masked_fill(plan.mask, float("-inf"))
     weights = (scores - lse[:, :, rows].unsqueeze(-1)).exp()
-    dv.index_add_(2, cols, weights.transpose(-2, -1) @ dor)
-    dscores = weights * (dor @ vc.transpose(-2, -1) - delta[:, :, rows].unsqueeze(-1)) * scale
-    dq.index_add_(2, rows, dscores @ kc)
-    dk.index_add_(2, cols, dscores.transpose(-2, -1) @ qr)
-
+    dv.index_add_(2, cols, (weights.to(low).transpose(-2, -1) @ dor).to(w))
+    dscores = weights * ((dor @ vc.transpose(-2, -1)).to(w) - delta[:, :, rows].unsqueeze(-1)) * scale
+    dq.index_add_(2, rows, (dscores.to(low) @ kc).to(w))
+    dk.index_add_(2, cols, (dscores.to(low).transpose(-2, -1) @ qr).to(w))
 
 def softmax_delta(dout, out):
     """Softmax's backward is dS = P (dP - rowsum(P dP)) with dP = dO V^T. Its row sum needs every
     block's P, but rowsum(P dO V^T) = rowsum(dO (P V)) = rowsum(dO O): one number per query, from
     the output (FlashAttention's D), computed once before the blocks go round."""
-    return (dout * out).sum(-1)
-
+    return (dout.to(wide(out.dtype)) * out.to(wide(out.dtype))).sum(-1)
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence's keys, which come round
@@ -218,7 +216,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp):
         size, rank = cp.comm.Get_size(), cp.comm.Get_rank()
-        kv, spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        kv, spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)  # bf16 if k is
         out = lse = None
         for i in range(size):
             exchange = RingExchange(cp.comm, kv, spare, TAG_KV) if i < size - 1 else None
@@ -235,6 +233,7 @@ class RingAttention(torch.autograd.Function):
                         merge(out, lse, block_out, block_lse, plan.rows)
             if exchange:
                 spare, kv = kv, exchange.wait()
+        out = out.to(q.dtype)  # merged wide; kept and returned in the dtype of q (proj's, under autocast)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp = cp
         ctx.mark_non_differentiable(lse)
@@ -246,14 +245,14 @@ class RingAttention(torch.autograd.Function):
         cp, dout = ctx.cp, dout.contiguous()
         size, rank = cp.comm.Get_size(), cp.comm.Get_rank()
         delta = softmax_delta(dout, out)
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=wide(q.dtype))  # sums are wide: dq here, dK/dV round the ring
         kv, spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
         accumulator = None  # the dK/dV of the block in hand from the ranks before, on its way here
         for i in range(size):
             exchange = RingExchange(cp.comm, kv, spare, TAG_KV) if i < size - 1 else None
             if exchange and not cp.overlap:
                 exchange.wait()
-            partial = torch.zeros_like(kv)  # this rank's share of the block's dK, dV
+            partial = torch.zeros_like(kv, dtype=dq.dtype)  # this rank's share of the block's dK, dV
             plan = cp.plans[(rank - i) % size]
             if plan is not None:
                 with cp.timeline.span("compute", "attention block"):
@@ -267,7 +266,6 @@ class RingAttention(torch.autograd.Function):
                 spare, kv = kv, exchange.wait()
         dkv = accumulator.wait()  # the N-th hop: this rank's own block, every rank's share in it
         return dq, dkv[0], dkv[1], None
-
 
 class AllGatherAttention(torch.autograd.Function):
     """The same attention with one collective: every rank gathers all of K and V, computes its
@@ -288,6 +286,7 @@ class AllGatherAttention(torch.autograd.Function):
         with cp.timeline.span("compute", "attention block"):
             cp.count(cp.gathered_plan, q)
             out, lse = block_attention(q, keys, values, cp.gathered_plan)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K, V: gathered again in backward
         ctx.cp = cp
         ctx.mark_non_differentiable(lse)
@@ -298,17 +297,17 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, dout, size = ctx.cp, dout.contiguous(), ctx.cp.comm.Get_size()
         keys, values = AllGatherAttention.gather(cp.comm, k, v)
-        dq, dkv = torch.zeros_like(q), torch.zeros((2, *keys.shape), dtype=k.dtype, device=k.device)
+        dq = torch.zeros_like(q, dtype=wide(q.dtype))  # sums: wide, and so Reduce_scatter_block's buffers
+        dkv = torch.zeros((2, *keys.shape), dtype=dq.dtype, device=k.device)
         with cp.timeline.span("compute", "attention block"):
-            block_gradients(q, keys, values, dout, lse, softmax_delta(dout, out), cp.gathered_plan, dq, dkv[0], dkv[1])
+            block_gradients(q, keys, values, dout, lse, softmax_delta(dout, out), cp.gathered_plan, dq, *dkv)
         b, heads, t, d = k.shape
         every = dkv.view(2, b, heads, size, t, d).permute(3, 0, 1, 2, 4, 5).contiguous()  # rank s's at [s]
-        mine = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        mine = torch.empty((2, *k.shape), dtype=dkv.dtype, device=k.device)  # a sum: wide
         buffer = receive_buffer(mine)
         cp.comm.Reduce_scatter_block(mpi_buffer(every), buffer, op=MPI.SUM)
         dk, dv = from_mpi(mine, buffer)
         return dq, dk, dv, None
-
 
 def all_to_all(comm, chunks):
     """chunks[s] goes to rank s; returns what came, rank s's at [s] (one Alltoall)."""
@@ -317,7 +316,6 @@ def all_to_all(comm, chunks):
     comm.Alltoall(mpi_buffer(chunks), buffer)
     return from_mpi(came, buffer)
 
-
 def sequence_to_heads(comm, x):
     """... x H x T/N x d (every head, this rank's positions) -> ... x H/N x T x d: this rank's heads
     for every rank's positions, in rank order (rank 0's, rank 1's, ...: positions.flatten())."""
@@ -325,13 +323,11 @@ def sequence_to_heads(comm, x):
     came = all_to_all(comm, x.reshape(*lead, n, heads // n, t, d).movedim(-4, 0).contiguous())
     return came.movedim(0, -3).reshape(*lead, heads // n, n * t, d)
 
-
 def heads_to_sequence(comm, x):
     """The way back: ... x H/N x T x d -> ... x H x T/N x d, every head of this rank's positions."""
     n, (*lead, heads, t, d) = comm.Get_size(), x.shape
     came = all_to_all(comm, x.reshape(*lead, heads, n, t // n, d).movedim(-3, 0).contiguous())
     return came.movedim(0, -4).reshape(*lead, n * heads, t // n, d)
-
 
 class AllToAllAttention(torch.autograd.Function):
     """DeepSpeed-Ulysses: Q, K, V to a head split, causal attention of H/N heads over the whole
@@ -344,6 +340,7 @@ class AllToAllAttention(torch.autograd.Function):
         with cp.timeline.span("compute", "attention block"):
             cp.count(cp.whole_plan, q)
             out, lse = block_attention(q, k, v, cp.whole_plan)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # H/N heads of T positions: as many bytes as H of T/N
         ctx.cp = cp
         ctx.mark_non_differentiable(lse)
@@ -353,15 +350,13 @@ class AllToAllAttention(torch.autograd.Function):
     def backward(ctx, dout, _):
         q, k, v, out, lse = ctx.saved_tensors
         cp, dout = ctx.cp, sequence_to_heads(ctx.cp.comm, dout.contiguous())
-        grads = torch.zeros((3, *q.shape), dtype=q.dtype, device=q.device)
+        grads = torch.zeros((3, *q.shape), dtype=wide(q.dtype), device=q.device)
         with cp.timeline.span("compute", "attention block"):
             block_gradients(q, k, v, dout, lse, softmax_delta(dout, out), cp.whole_plan, *grads)
-        dq, dk, dv = heads_to_sequence(cp.comm, grads)
+        dq, dk, dv = heads_to_sequence(cp.comm, grads.to(q.dtype))  # a move: in the dtype of q
         return dq, dk, dv, None
 
-
 VARIANTS = {"ring": RingAttention, "allgather": AllGatherAttention, "alltoall": AllToAllAttention}
-
 
 class ContextParallelAttention:
     """What every block calls for its attention on this rank: the ring, the all-gather or the all-to-all
@@ -385,34 +380,33 @@ class ContextParallelAttention:
         self.tally["pairs"] += plan.pairs * q.size(-3)
         self.tally["scores"] += plan.rows.numel() * plan.cols.numel() * q.size(-3)
 
-
 def context_parallel_model(args, comm, timeline, device):
     """The whole model on every rank, its optimizer, and the attention its blocks call: this
     rank's positions against every rank's, over comm."""
     model = build_model(args, device)
     model.attention = ContextParallelAttention(comm, shard_positions(args.seq_len, comm.Get_size(), args.layout),
                                                args.cp_comm, not args.no_overlap, timeline, device)
+    model.recompute = args.recompute
     return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-
 
 def sum_gradients(model, comm):
     """Each rank's gradients are those of its tokens' share of the loss; their sum over the ranks
     is the gradient of the whole loss: one Allreduce of all of them."""
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     buffer = mpi_buffer(flat)
-    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)  # float32 in either precision: MPI cannot sum bf16
     flat, offset = from_mpi(flat, buffer), 0
     for p in model.parameters():
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
 
-
-def train_step(model, optimizer, x, y, positions, tokens, comm, timeline, meter):
+def train_step(model, optimizer, x, y, positions, args, comm, timeline, meter):
     """One step on this rank's positions of every sequence; returns the loss of the whole batch."""
     optimizer.zero_grad()
-    with timeline.span("compute", "forward"), meter:
-        logits = model(x, positions)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / tokens
+    bf16 = args.precision == "bf16"  # the matmuls on bf16 copies of the float32 weights (the master weights)
+    with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+        logits = model(x, positions).float()  # the loss in float32
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (args.batch_size * args.seq_len)
     with timeline.span("compute", "backward"):
         loss.backward()
     sum_gradients(model, comm)
@@ -427,7 +421,6 @@ def train_step(model, optimizer, x, y, positions, tokens, comm, timeline, meter)
 # setup()). Otherwise a tensor on a GPU travels through a host copy. On the CPU these do nothing.
 CUDA_AWARE = False
 
-
 def mpi_buffer(t, nonblocking=False):
     """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
     collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
@@ -440,11 +433,9 @@ def mpi_buffer(t, nonblocking=False):
         return t
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
 
-
 def receive_buffer(t):
     """Where a receive for t lands: t itself, or an empty pinned host buffer (nothing to copy in)."""
     return t if not t.is_cuda or CUDA_AWARE else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-
 
 def from_mpi(t, buffer):
     """Bring what MPI wrote into a host copy back to t; returns t."""
@@ -455,12 +446,12 @@ def from_mpi(t, buffer):
 # -----------------------------------------------------------------------------
 # The model: tensor_parallel.py's GPT, with global positions and a choice of attention
 # -----------------------------------------------------------------------------
+VOCAB = 128  # the ASCII codes
 def causal_attention(q, k, v):
     """Plain causal attention of one process on whole sequences (b x heads x T x d): the reference."""
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    scores = (q @ k.transpose(-2, -1)).to(wide(q.dtype)) / math.sqrt(q.size(-1))  # the softmax wide
     future = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
-
+    return scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(v.dtype) @ v
 
 class Block(nn.Module):
     """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
@@ -474,13 +465,14 @@ class Block(nn.Module):
         self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
-    def forward(self, x, attention):
+    def forward(self, x, attention, recompute="none"):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
                    for z in self.qkv(self.ln1(x)).split(c, dim=2))
-        x = x + self.proj(attention(q, k, v).transpose(1, 2).reshape(b, t, c))
+        out = (torch.utils.checkpoint.checkpoint(attention, q, k, v, use_reentrant=True, preserve_rng_state=False)
+               if recompute == "selective" else attention(q, k, v))  # selective: q, k, v kept, the core rerun
+        x = x + self.proj(out.transpose(1, 2).reshape(b, t, c))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
 
 class GPT(nn.Module):
     """Token and position embeddings, --layers blocks, final LayerNorm, untied head. `attention`
@@ -491,14 +483,15 @@ class GPT(nn.Module):
         self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
         self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
-        self.attention = causal_attention
+        self.attention, self.recompute = causal_attention, "none"
 
     def forward(self, idx, positions):
         x = self.tokens(idx) + self.positions(positions)  # global positions, whichever rank holds them
         for block in self.blocks:
-            x = block(x, self.attention)
+            x = (torch.utils.checkpoint.checkpoint(block, x, self.attention, use_reentrant=True,
+                                                   preserve_rng_state=False)  # keeps x alone; no dropout: no RNG
+                 if self.recompute == "full" else block(x, self.attention, self.recompute))
         return self.out(self.norm(x))
-
 
 def build_model(args, device="cpu"):
     """The full model from the seed: the same network at every world size (GPT-2's init)."""
@@ -515,8 +508,8 @@ def build_model(args, device="cpu"):
 # -----------------------------------------------------------------------------
 # The data: characters of Python's own source, batches a function of (seed, step)
 # -----------------------------------------------------------------------------
+SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 _TEXT = []
-
 
 def load_text():
     """argparse.py, textwrap.py and shlex.py from this Python, bytes >= 128 replaced by '?'."""
@@ -524,7 +517,6 @@ def load_text():
         raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
         _TEXT.append(torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long))
     return _TEXT[0]
-
 
 def make_batch(seed, step, size, seq_len):
     """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
@@ -548,8 +540,7 @@ def train(args, comm, run, model, optimizer, meter, past=()):
         start = time.perf_counter()
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         x, y = x[:, positions].to(run.device), y[:, positions].to(run.device)
-        losses.append(train_step(model, optimizer, x, y, positions.to(run.device),
-                                 args.batch_size * args.seq_len, comm, run.timeline, meter))
+        losses.append(train_step(model, optimizer, x, y, positions.to(run.device), args, comm, run.timeline, meter))
         records.append(run.timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print_progress(comm, args, step, losses[-1], records[-1])
@@ -557,12 +548,10 @@ def train(args, comm, run, model, optimizer, meter, past=()):
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "losses": losses}, model_config(args))
     return losses, records
 
-
 def model_config(args):
     """What a checkpoint's model depends on (every rank holds all of it: any world size resumes)."""
     return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
             "seq_len": args.seq_len, "vocab": VOCAB}
-
 
 def main(argv=None, comm=MPI.COMM_WORLD):
     """Parse, set up, train, check, report. Returns the exit status of this rank."""
@@ -617,8 +606,8 @@ def reference_training(args):
     losses, positions = [], torch.arange(args.seq_len)
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        with meter if step == 0 else contextlib.nullcontext():
-            loss = F.cross_entropy(model(x, positions).flatten(0, 1), y.flatten())
+        with meter if step == 0 else contextlib.nullcontext(), autocast(args):
+            loss = F.cross_entropy(model(x, positions).float().flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -631,10 +620,14 @@ def one_process_activations(args):
     model = build_model(args)
     model.attention = ContextParallelAttention(MPI.COMM_SELF, torch.arange(args.seq_len).view(1, -1), args.cp_comm,
                                                True, Timeline(torch.device("cpu")), torch.device("cpu"))
+    model.recompute = args.recompute
     x, y = make_batch(args.seed, 0, args.batch_size, args.seq_len)
-    with SavedBytes(model) as meter:
-        F.cross_entropy(model(x, torch.arange(args.seq_len)).flatten(0, 1), y.flatten(), reduction="sum")
+    with SavedBytes(model) as meter, autocast(args):
+        F.cross_entropy(model(x, torch.arange(args.seq_len)).float().flatten(0, 1), y.flatten(), reduction="sum")
     return meter.bytes
+
+def autocast(args):  # the ranks' bf16, on the CPU where the reference runs
+    return torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16")
 
 def check(comm, args, losses, model):
     """Rank 0 trains the reference on its CPU and compares (every rank holds the same model);
@@ -651,15 +644,19 @@ def check(comm, args, losses, model):
 
 class SavedBytes:
     """Bytes autograd saves for backward during a forward, measured with saved-tensor hooks (as
-    pipeline_parallel.py's ActivationMeter): each storage once, parameters left out. All of it
-    stays alive until backward, so the total at the end of forward is the saved activations' peak."""
+    pipeline_parallel.py's ActivationMeter): each storage once, the parameters left out, and their
+    bf16 copies under autocast: a tensor (or its base, for a view as a weight's transpose) cast by
+    ToCopyBackward0 from a parameter's AccumulateGrad. All of it stays alive until backward."""
 
     def __init__(self, model):
         self.fixed = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.ids = {id(p) for p in model.parameters()}
         self.bytes, self.storages = 0, {}
 
     def pack(self, t):
-        storage = t.untyped_storage()
+        storage, cast = t.untyped_storage(), (t if t._base is None else t._base).grad_fn
+        if type(cast).__name__ == "ToCopyBackward0" and id(getattr(cast.next_functions[0][0], "variable", 0)) in self.ids:
+            return t  # a parameter's bf16 copy
         if storage.data_ptr() not in self.fixed:
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
@@ -703,12 +700,16 @@ def restore(comm, model, optimizer, shard):
 
 # --- Report: header, the summary and --json ----------------------------------
 def formulas(args, world_size, params):
-    """The docstring's bytes per step and rank; each rank's causal pairs and its scores computed
-    (masked or not), of one layer and sequence, summed over the heads the rank attends for."""
-    n, t, L, h = world_size, args.seq_len, args.layers, args.heads
-    block = 4 * args.batch_size * (t // n) * args.hidden  # S: one rank's K (or V) of one layer
-    exchange = L * block * {"ring": 2 * (3 * n - 2), "allgather": 2 * (n + 2), "alltoall": 8}[args.cp_comm]
-    b, c = t // n, t // (2 * n)
+    """The docstring's bytes per step and rank and activation bytes per rank; each rank's causal pairs
+    and scores computed (masked or not) of one layer and sequence, summed over the heads it attends for."""
+    n, t, L, h, e = world_size, args.seq_len, args.layers, args.heads, 2 if args.precision == "bf16" else 4
+    b, c, R = t // n, t // (2 * n), int(args.recompute != "none")  # R = 1: the forward's exchange again
+    bs, S = args.batch_size * b, args.batch_size * b * args.hidden  # S: one rank's K (or V) of a layer, in values
+    exchange = L * S * {"ring": 2 * ((2 + R) * e * (n - 1) + 4 * n), "allgather": 2 * ((2 + R) * e + 4 * n),
+                        "alltoall": 4 * (2 + R) * e}[args.cp_comm]
+    per_block = {"none": S * (8 + 15 * e) + 16 * bs + 4 * h * bs, "selective": S * (8 + 14 * e) + 16 * bs,
+                 "full": 4 * S}[args.recompute]
+    activations = L * per_block + (4 + e) * S + 4 * bs * VOCAB + 24 * bs + 8 * b + 4
     if args.cp_comm == "alltoall":  # H/N heads over the whole sequence, whatever the layout
         pairs, scores = [h // n * t * (t + 1) // 2] * n, [h // n * t * t] * n
     elif args.layout == "contiguous":  # the blocks up to its own (the all-gather's keys likewise)
@@ -717,7 +718,7 @@ def formulas(args, world_size, params):
         pairs = [h * ((2 * n - 1) * c * c + c * (c + 1))] * n
         scores = ([h * 2 * (n + 1) * c * c] * n if args.cp_comm == "ring"  # 4c^2 its own, 2c^2 every other
                   else [h * 2 * c * (2 * n - r) * c for r in range(n)])  # the all-gather: up to its last key
-    return exchange + 4 * params + 8, exchange, pairs, scores
+    return exchange + 4 * params + 8, exchange, pairs, scores, activations
 
 def print_header(comm, args, run, model, resumed):
     n, params = comm.Get_size(), sum(p.numel() for p in model.parameters())
@@ -740,7 +741,7 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
     params = sum(p.numel() for p in model.parameters())
     sent = sum(b for name, b in counted.bytes.items() if name != "Irecv") / steps_run  # Irecv: bytes received
     calls = {name: c / steps_run for name, c in counted.calls.items()}
-    total_formula, exchange_formula, pairs_formula, scores_formula = formulas(args, n, params)
+    total_formula, exchange_formula, pairs_formula, scores_formula, saved_formula = formulas(args, n, params)
     tally = model.attention.tally
     pairs = comm.allgather(tally["pairs"] // max(1, tally["calls"]))
     scores = comm.allgather(tally["scores"] // max(1, tally["calls"]))
@@ -750,16 +751,19 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
     if args.cp_comm == "ring":
         overlap["kv_messages_under_compute"] = [int(v) for v in comm.allreduce(
             torch.tensor(kv_messages_under_compute(run.timeline.step_events))).tolist()]
-    attention = {"ring": ("L x 2S x (3N-2)", "K/V forward and backward, dK/dV home"),
-                 "allgather": ("L x 2S x (N+2)", "Allgather twice, Reduce_scatter_block"),
-                 "alltoall": ("L x 8S", "Q, K, V, the output, dO, dQ, dK, dV by Alltoall")}[args.cp_comm]
+    attention = {"ring": ("L x 2S x ((2+R)e(N-1) + 4N)", "K/V forward and backward, dK/dV home"),
+                 "allgather": ("L x 2S x ((2+R)e + 4N)", "Allgather twice, Reduce_scatter_block"),
+                 "alltoall": ("L x 4S x (2+R)e", "Q, K, V, the output, dO, dQ, dK, dV by Alltoall")}[args.cp_comm]
+    R, e = int(args.recompute != "none"), 2 if args.precision == "bf16" else 4
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              f"bytes handed to MPI per step and rank: {sent:,.0f} counted; formula {attention[0]} + 4P + 8 = "
-             f"{exchange_formula:,} ({attention[1]}) + {4 * params + 8:,} (gradients, loss) = {total_formula:,}",
+             f"{exchange_formula:,} ({attention[1]}{', the forward again' if R else ''}; e = {e}, R = {R}) + "
+             f"{4 * params + 8:,} (gradients, loss) = {total_formula:,}",
              f"causal pairs per rank (one layer and sequence, over its heads): {pairs}, formula {pairs_formula}; "
              f"scores computed (masked or not): {scores}, formula {scores_formula}",
-             f"activation bytes saved for backward per rank: {', '.join(f'{b:,}' for b in saved)}"
+             f"activation bytes saved for backward per rank: {', '.join(f'{b:,}' for b in saved)}, formula "
+             f"{saved_formula:,} (--recompute {args.recompute})"
              + (f"; one process (this attention, whole sequence): {one:,}, against {n} x rank 0's {n * saved[0]:,}; "
                 f"plain attention: {plain:,} (it saves the T x T weights)" if one else "")]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
@@ -769,7 +773,7 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
         "messages_per_step": calls.get("Isend", 0), "calls_by_kind": calls,
         "causal_pairs_per_rank": pairs, "causal_pairs_formula": pairs_formula, "scores_computed_per_rank": scores,
         "scores_computed_formula": scores_formula,
-        "activation_bytes_per_rank": saved, "activation_bytes_one_process": one,
+        "activation_bytes_per_rank": saved, "activation_bytes_formula": saved_formula, "activation_bytes_one_process": one,
         "activation_bytes_plain_attention": plain, "parameters": params})
 
 def parse_args(argv, world_size):

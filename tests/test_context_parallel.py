@@ -128,7 +128,7 @@ def test_training_equals_one_process_at_every_size_with_counts_beside_their_form
     """N = 1 to 4 (the all-to-all: 1, 2, 4): losses and parameters within TOLERANCE of one process
     (hence the same at every N); bytes handed to MPI per step = the formula; causal pairs and scores
     computed per rank = their formulas; the ring's scores in zigzag equal on every rank, in
-    contiguous unequal; saved activations 1/N of one process's, up to 4N bytes."""
+    contiguous unequal; saved activations = their formula, 1/N of one process's up to 4N bytes."""
     failures = []
     for size in [n for n in SIZES if cp_comm != "alltoall" or HEADS % n == 0]:
         with sub_comm(size) as comm:
@@ -138,7 +138,7 @@ def test_training_equals_one_process_at_every_size_with_counts_beside_their_form
                 diff, plain, one = cp.check(comm, args, losses, model)
                 params = sum(p.numel() for p in model.parameters())
                 sent = sum(b for name, b in counted.bytes.items() if name != "Irecv") / args.steps
-                total, _, pairs, scores = cp.formulas(args, size, params)
+                total, _, pairs, scores, activations = cp.formulas(args, size, params)
                 tally = model.attention.tally
                 counted_pairs = comm.allgather(tally["pairs"] // tally["calls"])
                 counted_scores = comm.allgather(tally["scores"] // tally["calls"])
@@ -154,13 +154,90 @@ def test_training_equals_one_process_at_every_size_with_counts_beside_their_form
                     failures.append((size, "zigzag's equal work", counted_scores))
                 # The loss's total weight (a 4-byte scalar) is the one saved tensor that does not
                 # shrink with the positions: measured N x saved - one = 4(N-1) at every N.
-                if abs(saved * size - one) > 4 * size:
-                    failures.append((size, "activations", saved, one))
+                if abs(saved * size - one) > 4 * size or saved != activations:
+                    failures.append((size, "activations", saved, one, activations))
                 if not one < plain:  # plain attention saves the T x T weights besides
                     failures.append((size, "plain", one, plain))
             if max_everywhere(diff) > cp.TOLERANCE:
                 failures.append((size, "diff", diff))
     assert agree(not failures), failures
+
+
+def limit(precision):
+    return cp.TOLERANCE_BF16 if precision == "bf16" else cp.TOLERANCE
+
+
+def sent_per_step(counted, steps):
+    return sum(b for name, b in counted.bytes.items() if name != "Irecv") / steps  # Irecv: bytes received
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("cp_comm", ["ring", "allgather", "alltoall"])
+def test_bf16_equals_one_process_in_bf16_with_bytes_and_activations_beside_their_formulas(cp_comm):
+    """--precision bf16 at N = 1 to 4 (the all-to-all 1, 2, 4; contiguous at N = 3, zigzag elsewhere):
+    within TOLERANCE_BF16 of one process in bf16; bytes handed to MPI per step = the formula with
+    e = 2: what only moves (K/V, Q, the output, their gradients) as bf16 and every sum (dK/dV going
+    home, Reduce_scatter_block, the gradients) as float32, so either other choice would miss it;
+    the activation bytes saved = their formula with e = 2."""
+    failures = []
+    for size in [n for n in SIZES if cp_comm != "alltoall" or HEADS % n == 0]:
+        with sub_comm(size) as comm:
+            diff = 0.0
+            if comm is not None:
+                layout = "contiguous" if size == 3 else "zigzag"
+                args, model, counted, meter, losses = train(comm, ["--layout", layout, "--cp-comm", cp_comm,
+                                                                   "--precision", "bf16"])
+                diff = cp.check(comm, args, losses, model)[0]
+                total, _, _, _, activations = cp.formulas(args, size, sum(p.numel() for p in model.parameters()))
+                if sent_per_step(counted, args.steps) != total or meter.bytes != activations:
+                    failures.append((size, sent_per_step(counted, args.steps), total, meter.bytes, activations))
+            if max_everywhere(diff) > cp.TOLERANCE_BF16:
+                failures.append((size, "diff", diff))
+    assert agree(not failures), failures
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recompute_saves_its_formula_repeats_the_forward_exchange_and_keeps_the_losses(precision, monkeypatch):
+    """N = 2, each variant, 2 steps of --recompute none, selective and full: the activation bytes
+    saved = their formula, full < selective < none; the bytes handed to MPI = the formula, whose
+    forward exchange comes once more in backward for selective and full (the ring: L(N-1) more
+    Isends; the all-gather: L more Allgathers; the all-to-all: 2L more Alltoalls); the losses those
+    without recomputation, bit for bit (in bf16 too: the same operations on the same values). And
+    the meter's plant: counting autocast's bf16 copies of the parameters adds exactly their bytes."""
+    L, n, failures = 2, 2, []
+    with sub_comm(n) as comm:
+        if comm is not None:
+            for cp_comm in ("ring", "allgather", "alltoall"):
+                runs = {}
+                for recompute in ("none", "selective", "full"):
+                    args, model, counted, meter, losses = train(comm, ["--cp-comm", cp_comm, "--precision", precision,
+                                                                       "--recompute", recompute], steps=2)
+                    total, _, _, _, activations = cp.formulas(args, n, sum(p.numel() for p in model.parameters()))
+                    calls = {k: c // args.steps for k, c in counted.calls.items()}
+                    runs[recompute] = (losses, meter.bytes, calls)
+                    if sent_per_step(counted, args.steps) != total or meter.bytes != activations:
+                        failures.append((cp_comm, recompute, sent_per_step(counted, args.steps), total, meter.bytes,
+                                         activations))
+                (plain, none, calls), (_, selective, again), (_, full, _) = runs.values()
+                more = {"ring": {"Isend": L * (n - 1), "Irecv": L * (n - 1)}, "allgather": {"Allgather": L},
+                        "alltoall": {"Alltoall": 2 * L}}[cp_comm]
+                if {k: again[k] - calls[k] for k in calls} != {**dict.fromkeys(calls, 0), **more}:
+                    failures.append((cp_comm, "calls", calls, again))
+                if not full < selective < none or any(r[0] != plain for r in runs.values()):
+                    failures.append((cp_comm, full, selective, none, [r[0] for r in runs.values()]))
+            if precision == "bf16":
+                args, model, _, meter, _ = train(comm, ["--precision", "bf16"], steps=1)
+                class CountingCopies(cp.SavedBytes):
+                    def __init__(self, model):
+                        super().__init__(model)
+                        self.ids = set()  # the plant: no parameter known, so their bf16 copies count
+                monkeypatch.setattr(cp, "SavedBytes", CountingCopies)
+                _, _, _, counting, _ = train(comm, ["--precision", "bf16"], steps=1)
+                copies = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+                if counting.bytes - meter.bytes != copies:
+                    failures.append(("copies", counting.bytes - meter.bytes, copies))
+        assert agree(comm is None or not failures), failures
 
 
 @pytest.mark.mpi
@@ -181,26 +258,48 @@ def test_kv_messages_are_in_flight_while_blocks_compute_and_not_without_overlap(
 
 
 @pytest.mark.mpi
-def test_check_reports_a_nudged_parameter_or_loss_and_nan():
-    """Negative control in process: the trained state nudged by 1.5 x TOLERANCE (a parameter on
-    every rank, or the last loss), or a NaN, must be reported above the tolerance."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_check_reports_a_nudged_parameter_or_loss_and_nan(precision):
+    """Negative control in process: the trained state nudged by 1.5 x the precision's tolerance (a
+    parameter on every rank, or the last loss), or a NaN, must be reported above the tolerance."""
+    tolerance = limit(precision)
     with sub_comm(2) as comm:
         failures = []
         if comm is not None:
-            args, model, _, _, losses = train(comm, [], steps=2)
+            args, model, _, _, losses = train(comm, ["--precision", precision], steps=2)
             p = next(model.parameters()).detach().view(-1)
-            if not cp.check(comm, args, losses, model)[0] <= cp.TOLERANCE:
+            if not cp.check(comm, args, losses, model)[0] <= tolerance:
                 failures.append("unperturbed")
-            p[0] += 1.5 * cp.TOLERANCE
-            if not cp.check(comm, args, losses, model)[0] > cp.TOLERANCE:
+            p[0] += 1.5 * tolerance
+            if not cp.check(comm, args, losses, model)[0] > tolerance:
                 failures.append("parameter")
-            p[0] -= 1.5 * cp.TOLERANCE
-            if not cp.check(comm, args, losses[:-1] + [losses[-1] + 1.5 * cp.TOLERANCE], model)[0] > cp.TOLERANCE:
+            p[0] -= 1.5 * tolerance
+            if not cp.check(comm, args, losses[:-1] + [losses[-1] + 1.5 * tolerance], model)[0] > tolerance:
                 failures.append("loss")
             p[0] = math.nan
-            if not cp.check(comm, args, losses, model)[0] > cp.TOLERANCE:
+            if not cp.check(comm, args, losses, model)[0] > tolerance:
                 failures.append("NaN")
         assert agree(comm is None or not failures), failures
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gradients_divided_once_more_by_n_fail_the_check(precision, monkeypatch):
+    """A planted bug: the summed gradients divided by N (an average where the loss wants the sum)
+    must fail the check in either precision, at N = 2 after 3 steps."""
+    sum_gradients = cp.sum_gradients
+
+    def averaged(model, comm):
+        sum_gradients(model, comm)
+        for p in model.parameters():
+            p.grad /= comm.Get_size()
+    monkeypatch.setattr(cp, "sum_gradients", averaged)
+    with sub_comm(2) as comm:
+        diff = None
+        if comm is not None:
+            args, model, _, _, losses = train(comm, ["--precision", precision])
+            diff = cp.check(comm, args, losses, model)[0]
+        assert agree(comm is None or diff > limit(precision)), diff
 
 
 @pytest.mark.mpi
@@ -284,6 +383,7 @@ def test_launched_ring_passes_its_check_with_counts_beside_formulas_and_a_trace(
     assert len(set(run["scores_computed_per_rank"])) == 1  # zigzag: the same blocks computed on every rank
     assert run["overlap"] == {"kv_messages_under_compute": [4 * 2 * 18, 4 * 2 * 20]}
     assert all(abs(b * 4 - run["activation_bytes_one_process"]) <= 16 for b in run["activation_bytes_per_rank"])
+    assert run["activation_bytes_per_rank"] == [run["activation_bytes_formula"]] * 4
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     for rank in range(4):
         names = {e["name"] for e in trace if e["ph"] == "X" and e["pid"] == rank}
@@ -291,16 +391,20 @@ def test_launched_ring_passes_its_check_with_counts_beside_formulas_and_a_trace(
 
 
 @pytest.mark.e2e
-def test_launched_contiguous_without_overlap_with_every_buffer_staged():
-    """--layout contiguous --no-overlap at N = 3, every buffer handed to MPI a host copy (each copy
-    back exercised): the check passes, the pairs are those of the formula and unequal, none of the
+def test_launched_contiguous_without_overlap_in_bf16_recomputing_blocks_with_every_buffer_staged():
+    """--layout contiguous --no-overlap --precision bf16 --recompute full at N = 3, every buffer
+    handed to MPI a host copy (each copy back exercised, bf16 ones included): the bf16 check passes,
+    bytes and activation bytes equal their formulas, the forward's K/V ring comes again in backward
+    (L(4N-3) Isends a step, not L(3N-2)), the pairs are those of the formula and unequal, none of the
     K/V messages is in flight during a block."""
     run = last_json(launch("context_parallel.py", 3, *E2E, "--layout", "contiguous", "--no-overlap",
-                           env=clean_env(STAGE_ALL=1)))
-    assert run["check_max_abs_diff"] <= cp.TOLERANCE and run["comm_bytes_per_step"] == run["comm_bytes_formula"]
+                           "--precision", "bf16", "--recompute", "full", env=clean_env(STAGE_ALL=1)))
+    assert (run["precision"], run["recompute"]) == ("bf16", "full") and run["check_max_abs_diff"] <= cp.TOLERANCE_BF16
+    assert run["comm_bytes_per_step"] == run["comm_bytes_formula"] and run["messages_per_step"] == 2 * 9
+    assert run["activation_bytes_per_rank"] == [run["activation_bytes_formula"]] * 3
     assert run["causal_pairs_per_rank"] == run["causal_pairs_formula"] == [272, 784, 1296]  # 2 heads
     assert run["scores_computed_per_rank"] == run["scores_computed_formula"] == [512, 1024, 1536]
-    assert run["overlap"] == {"kv_messages_under_compute": [0, 3 * 2 * 14]}
+    assert run["overlap"] == {"kv_messages_under_compute": [0, 3 * 2 * 2 * 9]}  # 3 ranks, Isend and Irecv
 
 
 @pytest.mark.e2e
