@@ -552,8 +552,13 @@ def calibrate(m, g, batch, result, precision, recompute, optimizer, cores=None):
     return rate
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line, not argparse's usage and message
+        raise PlanError(message)
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Which grid? Memory and step time per GPU for a GPT on a cluster.")
+    p = Parser(description="Which grid? Memory and step time per GPU for a GPT on a cluster.")
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--hidden", type=int, required=True)
     p.add_argument("--heads", type=int, required=True)
@@ -613,20 +618,21 @@ def describe(p):
 
 
 def print_plans(args, m, hw, plans, efficiency):
-    print(f"{args.gpus or plans[0]['grid']['dp']} x {hw.name} | compute at {efficiency:.0%} of "
+    first = plans[0]["grid"]
+    print(f"{first['dp'] * first['tp'] * first['pp'] * first['cp']} x {hw.name} | compute at {efficiency:.0%} of "
           f"{hw.peak[args.precision] / 1e12:g} TFLOP/s {args.precision} | {args.precision}, recompute {args.recompute}, "
           f"{args.optimizer}")
     params = sum(d + x for d, x in stage_layers(m, Grid(), 0))
     print(f"model: {m.layers} blocks x {m.hidden} hidden, {m.heads} heads, seq {m.seq_len}, vocab {m.vocab}"
           + (f", {m.experts} experts top-{m.top_k}" if m.experts > 1 else "") + f": {params / 1e9:.2f} B parameters")
     print(f"{'grid':52} {'GB/GPU':>7} {'weights':>7} {'grads':>6} {'optim':>6} {'acts':>6} {'bubble':>6} "
-          f"{'step s':>8} {'tok/s/GPU':>9} {'MFU':>5}  GB/step per GPU: data tensor pipeline context expert")
+          f"{'step s':>8} {'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5}  GB/step per GPU: data tensor pipeline context expert")
     for p in plans:
         mb = p["memory_bytes_per_gpu"]
         b = p["bytes_per_step"]
         print(f"{describe(p):52} {mb['total'] / 1e9:7.1f} {mb['weights'] / 1e9:7.1f} {mb['gradients'] / 1e9:6.1f} "
               f"{mb['optimizer'] / 1e9:6.1f} {mb['activations'] / 1e9:6.1f} {p['bubble']:6.1%} "
-              f"{p['step_seconds']:8.3f} {p['tokens_per_second_per_gpu']:9.0f} {p['mfu']:5.1%}  "
+              f"{p['step_seconds']:8.3f} {p['tokens_per_second_per_gpu']:9.0f} {p['tflops_per_gpu']:7.1f} {p['mfu']:5.1%}  "
               + " ".join(f"{b[a] / 1e9:.2f}" for a in ("data", "tensor", "pipeline", "context", "expert"))
               + ("" if p["fits"] else "  (does not fit)"))
     g, per_node = plans[0]["grid"], min(hw.gpus_per_node, plans[0]["grid"]["dp"] * plans[0]["grid"]["tp"] * plans[0]["grid"]["pp"] * plans[0]["grid"]["cp"])

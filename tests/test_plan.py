@@ -60,7 +60,9 @@ def predicted_total(name):
 def test_bytes_per_axis_equal_the_measured(measured, name):
     run, predicted = measured[name], predicted_total(name)
     if name.startswith("hybrid"):   # the file measures each axis apart
-        assert run["comm_bytes_per_step_by_axis"] == {a: predicted[a] for a in ("pipeline", "data", "tensor")}
+        by_axis = run["comm_bytes_per_step_by_axis"]
+        assert by_axis == {a: predicted[a] for a in by_axis}
+        assert all(predicted[a] == 0 for a in predicted if a not in by_axis)
     else:
         assert run["comm_bytes_per_step"] == sum(predicted.values()), predicted
     assert sum(1 for b in predicted.values() if b) >= 1  # the run moved something plan.py predicts
@@ -99,6 +101,7 @@ def run_plan(*args):
 GPT3 = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--seq-len", "2048", "--vocab", "51200"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("grid,words", [
     ("dp=2,tp=5,pp=1", "tp=5 does not divide --heads 96"),
     ("dp=2,tp=8,pp=8", "dp x tp x pp x cp = 128 GPUs, not the 64 given"),
@@ -113,6 +116,7 @@ def test_an_impossible_grid_is_refused_in_one_line(grid, words):
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
 
 
+@pytest.mark.e2e
 def test_a_model_that_fits_no_grid_says_how_many_gpus_it_needs():
     result = run_plan(*GPT3, "--batch-size", "64", "--gpus", "8", "--gpu", "a100")
     assert result.returncode == 2 and result.stdout == ""
@@ -123,6 +127,7 @@ def test_a_model_that_fits_no_grid_says_how_many_gpus_it_needs():
     assert fits["plans"] and all(p["fits"] for p in fits["plans"])
 
 
+@pytest.mark.e2e
 def test_json_plans_fit_and_come_best_first():
     out = run_plan(*GPT3, "--batch-size", "1536", "--gpus", "1024", "--gpu", "a100", "--json", "--top", "5")
     plans = json.loads(out.stdout.strip().splitlines()[-1])["plans"]
@@ -216,6 +221,7 @@ def test_step_time_calibrated_on_one_run_predicts_the_others():
     assert all(abs(e) <= TIME_ERROR for e in errors.values()), errors
 
 
+@pytest.mark.e2e
 def test_calibration_from_a_runs_json_on_the_command_line(tmp_path):
     """--gpu cpu --calibrate RUN.json: the run's own grid then predicts the run's own step."""
     base = bench_large()["tensor_parallel.py"]
@@ -226,3 +232,40 @@ def test_calibration_from_a_runs_json_on_the_command_line(tmp_path):
     step = json.loads(out.stdout.strip().splitlines()[-1])["plans"][0]["step_seconds"]
     # this machine's cores may differ from the benchmark's 2: the rate is per core, the grid's the same
     assert step == pytest.approx(base["step_time_s"], rel=1e-6) or plan.machine_cores() != 2
+
+
+# -----------------------------------------------------------------------------
+# The README: its sample output and its comparison with Narayanan et al. 2021 are plan.py's own
+# -----------------------------------------------------------------------------
+def readme_section():
+    text = (ROOT / "README.md").read_text()
+    return text[text.index("### Which grid? `plan.py`"):text.index("## When things go wrong")]
+
+
+@pytest.mark.e2e
+def test_the_readme_sample_is_what_plan_py_prints():
+    section = readme_section()
+    blocks = section.split("```")
+    command, output = blocks[1].strip().removeprefix("sh\n"), blocks[3].strip("\n")
+    assert command.startswith("python plan.py ")
+    assert run_plan(*command.split()[2:]).stdout.rstrip("\n") == output
+
+
+def test_the_readme_comparison_is_what_plan_py_predicts():
+    """Each row of the table: the paper's grid in, plan.py's TFLOP/s per GPU, bubble and memory out."""
+    rows = [line.split("|")[1:-1] for line in readme_section().splitlines() if line.startswith("| ") and " B |" in line]
+    assert len(rows) == 10
+    for params, shape, grid, batch, paper, predicted, ratio, bubble, memory in rows:
+        layers, rest = shape.split(" x ")
+        hidden, heads = rest.split(" (")
+        gpus, split = grid.split(": ")
+        dp, tp, pp = map(int, split.split(" x "))
+        batch = int(batch.replace(",", ""))
+        model = plan.Model(int(layers), int(hidden), int(heads.rstrip(") ")), 2048, 51200)
+        out = plan.evaluate(model, plan.Grid(dp=dp, tp=tp, pp=pp, micro=batch // dp), batch, "bf16", "full",
+                            plan.PRESETS["a100"], 0.6, "adam", 0.9)
+        assert dp * tp * pp == int(gpus.replace(",", "")) and out["fits"]
+        assert f"{out['tflops_per_gpu']:.0f}" == predicted.strip()
+        assert f"{out['tflops_per_gpu'] / float(paper):.2f}" == ratio.strip()
+        assert f"{100 * out['bubble']:.1f}%" == bubble.strip()
+        assert f"{out['memory_bytes_per_gpu']['total'] / 1e9:.1f}" == memory.strip()
