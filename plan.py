@@ -642,7 +642,7 @@ def print_plans(args, m, hw, plans, efficiency):
     print(f"best as a batch script ({describe(plans[0])}):")
     print(f"  #SBATCH --nodes={-(-gpus // per_node)} --ntasks-per-node={per_node} --gpus-per-node={per_node} "
           f"--distribution=block:block")
-    missing = [what for what, on in (("context parallelism", g["cp"] > 1), ("expert parallelism", g["ep"] > 1),
+    missing = [what for what, on in (("mixture of experts", m.experts > 1), ("context parallelism", g["cp"] > 1),
                                      (f"ZeRO stage {g['zero']}", g["zero"]), ("sequence parallelism", g["sp"]),
                                      (f"the {g['schedule']} schedule", g["pp"] > 1 and g["schedule"] != "1f1b")) if on]
     print(f"  srun python hybrid_parallel.py --pp {g['pp']} --dp {g['dp']} --tp {g['tp']} --micro-batches {g['micro']} "
