@@ -33,24 +33,44 @@ row-parallel regions x is cut along the sequence, rank r holding positions [rT/N
   column-parallel layer keeps only its input slice and gathers it again in backward (Megatron's
   way). Overlap (both modes; --no-overlap is the baseline): a column-parallel layer's backward
   posts the input gradient's allreduce (f) or reduce-scatter (g) non-blocking before its
-  weight-gradient matmul begins and waits for it only after the matmul ends. That is all the code
-  can guarantee; whether the bytes move during the matmul is the MPI's doing: MPICH without
-  asynchronous progress (the pip wheel's default) moves them only inside MPI calls, so here
-  mostly at the Wait; with MPIR_CVAR_ASYNC_PROGRESS=1, or a network that progresses on its own,
-  they can travel while the matmul runs.
+  weight-gradient matmul and waits for it after. Whether the bytes move meanwhile is the MPI's
+  doing: MPICH without asynchronous progress (the pip wheel's default) moves them only inside MPI
+  calls, so here mostly at the Wait; with MPIR_CVAR_ASYNC_PROGRESS=1 they can travel during it.
 
-Communication per step (L blocks, B sequences of T characters, hidden h, float32, A = 4BTh bytes):
+Mixed precision (--precision bf16): forward and loss run under torch.autocast(bfloat16): a matmul
+multiplies bf16 copies of the float32 parameters (the master weights; autograd keeps the copies for
+backward); gradients land in float32 on the parameters, SGD's momentum is float32. The stream (the
+residuals, LayerNorms and their statistics), the softmax and the loss's max, target logit and sum
+of exponentials stay float32 (.float() first). MPI's buffers: every sum in float32 (f̄ and ḡ cast
+the bf16 partial products up, f and g the input gradients; MPICH refuses MPI_SUM on bf16). bf16
+partials all-gathered and added locally: half the bytes handed in, but (N-1)A/2 received against a
+ring allreduce's 2(N-1)A/N, no fewer from N = 4 on, and N copies held. Moves carry bf16: g's
+all-gather (X cast before it), ḡ's backward one in the blocks (the embedding's is float32: a
+lookup). Gradients are reduced in float32 (Megatron's default): bf16 would halve their bytes and
+memory, but round as many small partial sums add up, and MPI could not add them.
+Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's
+inputs by save_for_backward, where the saved-tensor hooks that measure activations count them (the
+non-reentrant form keeps them out of their sight), runs fn without autograd, and again in backward
+under the forward's autocast state. selective: attention's core (scores, mask, softmax, times V:
+what grows with T²), q, k, v kept (Korthikanti et al.); full: each block from its input alone, its
+forward's f̄ (ḡ and g) run again in backward.
+
+Communication per step (L blocks, B sequences of T characters, hidden h, A = 4BTh bytes, e = 4
+bytes an element in float32, 2 in bf16):
   plain: 4L + 5 collectives, the paper's two allreduces of A forward (f̄) and two backward (f) per
      block, one each for the embedding and the head, 3 of 4BT for the loss: (4L + 2)A + 12BT bytes
-     handed to MPI, of which a ring moves 2(N-1)/N in and out of each rank.
-  sequence parallel: 8L + 8: 4L + 2 reduce-scatters handing in A and 4L + 2 all-gathers handing
-     in A/N (a ring moves (N-1)/N x A for each: the same bytes), the loss's 3, and one allreduce
-     of the 4(6L + 2 + T)h bytes of replicated gradients. --regather: 2L + 1 all-gathers more.
-  The exchange grows with the batch and the sequence, not the weights; every layer waits on it.
-Activations saved for backward, per block and rank (bytes; float32 and no dropout turn Korthikanti
-et al.'s sbh(10 + 24/t + 5as/(ht)) and (sbh/t)(34 + 5as/h) into, with s, b, a, t = T, B, heads, N):
-  plain BTh(16 + 48/N) + 4aBT²/N; sequence parallel BTh(8 + 56/N) + 4aBT²/N (qkv's and fc1's
-  gathered inputs stay whole); --regather (BTh/N)(64 + 4aT/h).
+     handed to MPI in float32 and bf16 alike, of which a ring moves 2(N-1)/N in and out of each rank.
+  sequence parallel: 8L + 8: 4L + 2 reduce-scatters handing in A (a ring moves (N-1)/N x A each),
+     4L + 1 all-gathers handing in eA/4N and the embedding's backward one A/N (a ring moves N-1 times
+     that), the loss's 3, one allreduce of 4(6L + 2 + T)h bytes of replicated gradients.
+  --regather: 2L + 1 all-gathers of eA/4N more; --recompute full: 2L allreduces of A more (sequence
+     parallel: 2L reduce-scatters of A, 2L all-gathers of eA/4N). Bytes grow with B and T, not weights.
+Activations saved for backward, per block and rank (bytes; no dropout; Korthikanti et al.'s bf16
+sbh(10 + 24/t + 5as/(ht)) and (sbh/t)(34 + 5as/h) become, with s, b, a, t = T, B, heads, N and the
+stream in float32, S = 4aBT²/N for the float32 softmax, 6aBT²/N in bf16 with its bf16 copy):
+  plain BTh(8 + 2e + 12e/N) + S; sequence parallel BTh(8/N + 2e + 12e/N) + S (qkv's and fc1's
+  gathered inputs stay whole); --regather (BTh/N)(8 + 14e) + S. selective: no S (q, k, v kept
+  instead of the copies their products make: the same bytes); full: the input alone, 4BTh (/N cut).
 
 When to choose it: a layer's weights or activations do not fit on one device and the ranks share
 a fast link (Megatron: within a node, on NVLink; data or pipeline parallelism across nodes); with
@@ -66,6 +86,7 @@ import math, os, re, shutil, signal, statistics, sys, time, traceback, types, zl
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
@@ -77,6 +98,9 @@ STRATEGY = "tensor_parallel"
 # reordered. Measured after 100 steps at N = 2 to 4, plain or --sequence-parallel: 6e-7 to 1e-6 (plain,
 # 300 steps: 2e-6). A nudge of 1.5x it to any parameter or loss is reported above it (the tests).
 TOLERANCE = 2e-5
+# bf16, both sides under autocast: 5e-4 to 9e-4 after the tests' 4 steps at N = 1 to 4, any mode or recompute;
+# default model, 50 steps, batch 8: 4.3e-3 to 8.5e-3 at N = 1 to 4 (the most: N = 4, sequence cut). Gradients / N: 5.6e-2.
+TOLERANCE_BF16 = 2e-2
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 VOCAB = 128  # the ASCII codes
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
@@ -149,24 +173,26 @@ def reduce_scatter_sequence(x, comm):
 
 
 # The tensor-parallel ranks and how they run; the timeline marks the weight-gradient matmuls.
-Group = collections.namedtuple("Group", "comm timeline sequence_parallel regather overlap",
-                               defaults=(False, False, True))
+Group = collections.namedtuple("Group", "comm timeline sequence_parallel regather overlap recompute precision",
+                               defaults=(False, False, True, "none", "fp32"))
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
     """f̄ after a row-parallel layer: allreduce forward (the partial products add up to the output),
     identity backward (every rank holds its gradient whole). With the sequence cut, ḡ: reduce-scatter
-    forward (each rank keeps its positions), all-gather backward (the products need all of them)."""
+    forward (each rank keeps its positions), all-gather backward (the products need all of them).
+    bf16 partial products are cast up and summed in float32 (MPI has no bf16 sum); the gradient
+    goes back in x's dtype, so ḡ's all-gather carries bf16 in bf16."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
-        if group.sequence_parallel:
-            return reduce_scatter_sequence(x, group.comm)
-        return allreduce(x.clone(memory_format=torch.contiguous_format), group.comm)
+        ctx.group, ctx.dtype = group, x.dtype
+        x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        return reduce_scatter_sequence(x, group.comm) if group.sequence_parallel else allreduce(x, group.comm)
 
     @staticmethod
     def backward(ctx, dy):
+        dy = dy.to(ctx.dtype)
         return all_gather_sequence(dy, ctx.group.comm) if ctx.group.sequence_parallel else dy, None
 
 
@@ -186,10 +212,13 @@ def start_input_gradient_sum(partial, group):
 class ColumnParallelMatmul(torch.autograd.Function):
     """Y_r = X A_r^T + b_r, rank r's output features, with f before it (g, which gathers X, when
     the stream is cut along the sequence). Backward posts the input gradient's sum, computes the
-    weight gradient, then waits for the sum (Megatron's asynchronous gradient all-reduce)."""
+    weight gradient, then waits for the sum (Megatron's asynchronous gradient all-reduce). In bf16
+    X is cast before g (its all-gather carries bf16) and the input gradient summed in float32."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
+        if torch.is_autocast_enabled(x.device.type):  # cast here, not in F.linear: g moves bf16
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         whole = all_gather_sequence(x, group.comm) if group.sequence_parallel else x
         ctx.save_for_backward(x if group.regather else whole, weight)  # --regather: the slice only
         ctx.group, ctx.has_bias = group, bias is not None
@@ -200,7 +229,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         saved, weight = ctx.saved_tensors
         group = ctx.group
         whole = all_gather_sequence(saved, group.comm) if group.regather else saved
-        partial = dy.matmul(weight)  # the input gradient through this rank's columns alone
+        partial = dy.matmul(weight.to(dy.dtype)).float()  # through this rank's columns alone; summed in fp32
         exchange = start_input_gradient_sum(partial, group) if group.overlap else None  # posted first
         with group.timeline.span("compute", "weight grad"):  # then the matmul it may hide behind
             dy = dy.reshape(-1, dy.size(-1))
@@ -281,6 +310,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, comm):
+        logits = logits.float()  # max, target logit and sum of exponentials in float32, bf16 or not
         per, start = logits.size(-1), comm.Get_rank() * logits.size(-1)
         padding = torch.arange(start, start + per, device=logits.device) >= VOCAB
         logits = logits.masked_fill(padding, float("-inf"))  # padded columns take no probability
@@ -305,6 +335,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 def shard_block(block, group):
     """Megatron's block, in place: attention f -> qkv columns (its heads) -> proj rows -> f̄, MLP f ->
     fc1 columns -> GELU -> fc2 rows -> f̄ (g and ḡ with the sequence cut). Block.forward is unchanged."""
+    block.recompute = group.recompute  # --recompute: what backward computes again (Block.forward)
     block.qkv = ColumnParallelLinear(block.qkv.weight, block.qkv.bias, group, groups=3)  # q, k, v
     block.proj = RowParallelLinear(block.proj, group)
     block.heads //= group.comm.Get_size()
@@ -338,7 +369,8 @@ def sum_partial_gradients(model, comm):
 def train_step(model, optimizer, x, y, group, meter):
     """One step: every rank the whole batch, its slice of every layer; meter counts activations."""
     optimizer.zero_grad()
-    with group.timeline.span("compute", "forward"), meter:
+    bf16 = torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=group.precision == "bf16")
+    with group.timeline.span("compute", "forward"), meter, bf16:  # bf16: matmuls on bf16 copies of the weights
         loss = VocabParallelCrossEntropy.apply(model(x), y, group.comm)
     with group.timeline.span("compute", "backward"):
         loss.backward()
@@ -358,13 +390,14 @@ def attend(qkv, heads):
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
     future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
-    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    weights = scores.float().masked_fill(future, float("-inf")).softmax(dim=-1)  # float32, bf16 or not
     return (weights @ v).transpose(1, 2).reshape(b, t, c)
 
 
 class Block(nn.Module):
     """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
     weights, so float32 rounding differences between world sizes stay at rounding level."""
+    recompute = "none"  # the plain model's; shard_block sets the run's --recompute
 
     def __init__(self, hidden, heads):
         super().__init__()
@@ -375,7 +408,9 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
-        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads))
+        qkv, selective = self.qkv(self.ln1(x)), self.recompute == "selective" and torch.is_grad_enabled()
+        core = checkpoint(attend, qkv, self.heads, use_reentrant=True) if selective else attend(qkv, self.heads)
+        x = x + self.proj(core)  # selective: only q, k, v kept; the scores and softmax computed again
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
@@ -390,8 +425,9 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
-        for block in self.blocks:
-            x = block(x)
+        for block in self.blocks:  # full: only each block's input kept, the block computed again
+            full = block.recompute == "full" and torch.is_grad_enabled()
+            x = checkpoint(block, x, use_reentrant=True) if full else block(x)
         return self.out(self.norm(x))
 
 
@@ -485,7 +521,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         check_paths(comm, args)
         run = setup(comm, args)
         counted = CountedComm(comm, run.timeline)  # every exchange of the strategy, counted and timed
-        group = Group(counted, run.timeline, args.sequence_parallel, args.regather, not args.no_overlap)
+        group = Group(counted, run.timeline, args.sequence_parallel, args.regather, not args.no_overlap,
+                      args.recompute, args.precision)
         model, optimizer, full_params = sharded_model(args, group, run.device)
         past, resumed = [], None
         if args.resume:
@@ -533,7 +570,8 @@ def reference_training(args):
     losses = []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -574,23 +612,23 @@ def check(comm, args, losses, model):
 
 def replicated_checksum(model):
     """A bitwise fingerprint of the parameters every rank holds whole."""
-    crc = 0
-    for p in model.parameters():
-        if not hasattr(p, "partition"):
-            crc = zlib.crc32(p.detach().cpu().contiguous().numpy().tobytes(), crc)
-    return crc
+    return zlib.crc32(b"".join(p.detach().cpu().contiguous().numpy().tobytes()
+                               for p in model.parameters() if not hasattr(p, "partition")))
 
 class SavedActivations:
     """Entered around a forward: the bytes of the tensors autograd saves for backward (each storage
-    once, parameters left out), which a rank holds until its backward; the most of any step."""
+    once, parameters and autocast's bf16 copies of them left out: a copy's grad_fn is ToCopyBackward0
+    whose next function is the parameter's AccumulateGrad, or a view of one), held until backward;
+    the most of any step."""
 
     def __init__(self, model):
         self.parameters, self.bytes = {p.untyped_storage().data_ptr() for p in model.parameters()}, 0
 
     def pack(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.parameters:
-            self.storages[storage.data_ptr()] = storage.nbytes()
+        base = t if t._base is None else t._base  # the tensor a view (a weight's transpose) looks at
+        copied = base.grad_fn.next_functions[0][0] if type(base.grad_fn).__name__ == "ToCopyBackward0" else None
+        storage = getattr(copied, "variable", t).untyped_storage()  # a parameter's copy counts as it
+        self.storages[storage.data_ptr()] = 0 if storage.data_ptr() in self.parameters else storage.nbytes()
         return t
 
     def __enter__(self):
@@ -602,35 +640,35 @@ class SavedActivations:
         self.bytes = max(self.bytes, sum(self.storages.values()))
 
 def activation_bytes_formula(args, world_size, sequence_parallel, regather):
-    """Bytes autograd saves per rank in a step. Per block, Korthikanti et al.'s terms in float32
-    without dropout: LayerNorm inputs 2 x 4sbh (/t with the sequence cut), the inputs of qkv and
-    fc1 2 x 4sbh (/t with --regather), q, k, v and proj's input 4 x 4sbh/t, GELU's and fc2's inputs
-    2 x 16sbh/t, the softmax 4as²b/t. Beyond their terms: LayerNorm's mean and 1/std (2 x 4sb
-    each), the causal mask (s² bytes), the final LayerNorm and the head's input, the loss's softmax
-    over this rank's vocabulary, 8-byte token indices and 1-byte masks."""
+    """Bytes autograd saves per rank in a step: the docstring's formula (e bytes an element) and,
+    beyond Korthikanti et al.'s terms, LayerNorm's mean and 1/std (2 x 4sb each), the causal mask (s²
+    bytes, not kept by selective or full), the final LayerNorm and the head's input, the loss's
+    softmax over this rank's vocabulary, 8-byte token indices and 1-byte masks."""
     B, T, h, a, L, N = args.batch_size, args.seq_len, args.hidden, args.heads, args.layers, world_size
-    cut, gathered = (N if sequence_parallel else 1), (N if regather else 1)
-    block = (2 * 4 * B * T * h + 16 * B * T) / cut + 2 * 4 * B * T * h / gathered + (16 + 32) * B * T * h / N \
-        + 4 * a * B * T * T / N + T * T
-    head = (4 * B * T * h + 8 * B * T) / cut + 4 * B * T * h / gathered + 4 * B * T * padded_vocab(N) / N
+    cut, gathered, e = (N if sequence_parallel else 1), (N if regather else 1), 2 if args.precision == "bf16" else 4
+    attention = ((4 if e == 4 else 6) * a * B * T * T / N + T * T) * (args.recompute == "none")  # softmax, mask
+    block = (8 * B * T * h + 16 * B * T) / cut + 2 * e * B * T * h / gathered + 12 * e * B * T * h / N + attention
+    block = 4 * B * T * h / cut if args.recompute == "full" else block
+    head = (4 * B * T * h + 8 * B * T) / cut + e * B * T * h / gathered + 4 * B * T * padded_vocab(N) / N
     return L * block + head + 2 * (8 + 1) * B * T + 8 * T  # + indices and masks of the loss and embeddings
 
 def communication_formula(args, world_size):
-    """Collectives and bytes handed to MPI per step (the docstring's formulas), and the bytes a
-    ring moves in and out of each rank."""
-    L, N, loss = args.layers, world_size, 3 * 4 * args.batch_size * args.seq_len
-    A = 4 * args.batch_size * args.seq_len * args.hidden
+    """Collectives and bytes handed to MPI per step (the docstring's formulas), and the bytes a ring
+    moves in and out of each rank. Sums in float32; all-gathers of e bytes an element but one."""
+    L, N, T, h, loss = args.layers, world_size, args.seq_len, args.hidden, 3 * 4 * args.batch_size * args.seq_len
+    A, e, again = 4 * args.batch_size * T * h, 2 if args.precision == "bf16" else 4, L * (args.recompute == "full")
+    sums = 4 * L + 2 + 2 * again  # f̄ (ḡ) forward, f (g) backward, the forward's f̄ (ḡ) again with full
     if not args.sequence_parallel:
-        return 4 * L + 5, (4 * L + 2) * A + loss, 2 * (N - 1) / N * ((4 * L + 2) * A + loss)
-    regathers, grads = (2 * L + 1) * args.regather, 4 * (6 * L + 2 + args.seq_len) * args.hidden
-    handed = (4 * L + 2) * A + (4 * L + 2 + regathers) * A // N + loss + grads
-    return 8 * L + 8 + regathers, handed, (N - 1) / N * (8 * L + 4 + regathers) * A + 2 * (N - 1) / N * (loss + grads)
+        return sums + 3, sums * A + loss, 2 * (N - 1) / N * (sums * A + loss)
+    gathers = 4 * L + 1 + (2 * L + 1) * args.regather + 2 * again  # of eA/4N; + the embedding's ḡ, A/N
+    handed, grads = (gathers * e + 4) * A // (4 * N), 4 * (6 * L + 2 + T) * h  # + the replicated gradients
+    return (sums + gathers + 5, sums * A + handed + loss + grads,
+            (N - 1) / N * sums * A + (N - 1) * handed + 2 * (N - 1) / N * (loss + grads))
 
 def posted_before_weight_grad(events):
-    """[n, total]: of the input gradients' exchanges among the spans (name, cat, begin, end), how
-    many were posted before a weight-gradient matmul began and waited for only after it ended, the
-    order an overlap needs (an exchange started after the matmul, or waited before it, hides
-    nothing). The k-th post of a kind is paired with its k-th wait: each is waited in turn."""
+    """[n, total]: of the input gradients' exchanges among the spans (name, cat, begin, end), how many
+    were posted before a weight-gradient matmul began and waited for after it ended, the order an
+    overlap needs. The k-th post of a kind is paired with its k-th wait: each is waited in turn."""
     matmuls = [(begin, end) for name, _, begin, end in events if name == "weight grad"]
     n = total = 0
     for kind in ("Iallreduce", "Ireduce_scatter_block"):
@@ -654,8 +692,7 @@ def restore(model, optimizer, shard):
 def print_header(comm, args, run, model, full_params, resumed):
     world_size, h, padded = comm.Get_size(), args.hidden, padded_vocab(comm.Get_size())
     if resumed:
-        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
-                     f"(written by {resumed['world_size']} ranks)")
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)")
     stream = (f"cut along the sequence between the regions ({args.seq_len // world_size} positions a rank"
               f"{', gathered again in backward' if args.regather else ''})" if args.sequence_parallel else "whole")
     print0(comm, *run.header,
@@ -680,13 +717,13 @@ def report(comm, args, run, model, full_params, losses, records, traffic, meter,
     mode = "regather" if args.regather else "sequence_parallel" if args.sequence_parallel else "plain"
     saved = comm.allgather(meter.bytes)
     overlap = {"exchanges_under_weight_grad": posted_before_weight_grad(run.timeline.step_events)}
-    by_name = ", ".join(f"{name} {n:g}" for name, n in sorted(calls.items()))
-    formula = ("8L + 8" + " + 2L + 1" * args.regather) if args.sequence_parallel else "4L + 5"
+    by_name, full = ", ".join(f"{name} {n:g}" for name, n in sorted(calls.items())), args.recompute == "full"
+    formula = "8L + 8" + " + 2L + 1" * args.regather + " + 4L" * full if args.sequence_parallel else "4L + 5" + " + 2L" * full
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})", f"collectives per step: {sum(calls.values()):g} ({by_name}); formula "
              f"{formula} = {formula_calls}", f"bytes per step handed to MPI: {sum(volume.values()):,.0f}; formula "
              f"{formula_bytes:,.0f}; a ring moves {ring:,.0f} bytes in and out of each rank",
-             f"activations saved for backward per rank: {' | '.join(f'{b / 1e6:.3f}' for b in saved)} MB measured; "
+             f"activations saved for backward per rank ({args.precision}, --recompute {args.recompute}): {' | '.join(f'{b / 1e6:.3f}' for b in saved)} MB measured; "
              f"formula {formulas[mode] / 1e6:.3f} MB ({', '.join(f'{m} {f / 1e6:.3f}' for m, f in formulas.items())})",
              f"replicated parameters (LayerNorms, positions, row-parallel biases): bitwise identical on all "
              f"{world_size} ranks"]

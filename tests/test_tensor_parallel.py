@@ -1,4 +1,5 @@
 """tensor_parallel.py: Megatron's pieces on sub-communicators of sizes 1 to 4, then the script as launched."""
+import collections
 import copy
 import json
 import math
@@ -26,10 +27,34 @@ def counted(comm):
     return tp.CountedComm(comm, tp.Timeline(CPU))
 
 
-def group_of(comm, sequence_parallel=False, regather=False, overlap=True):
+def group_of(comm, sequence_parallel=False, regather=False, overlap=True, recompute="none", precision="fp32"):
     """A tensor-parallel group on a counted communicator, with the timeline it records into."""
     timeline = tp.Timeline(CPU)
-    return tp.Group(tp.CountedComm(comm, timeline), timeline, sequence_parallel, regather, overlap)
+    return tp.Group(tp.CountedComm(comm, timeline), timeline, sequence_parallel, regather, overlap, recompute, precision)
+
+
+def limit(precision):
+    """The check's tolerance in this precision, as finish() chooses it."""
+    return tp.TOLERANCE_BF16 if precision == "bf16" else tp.TOLERANCE
+
+
+class DtypesComm(tp.CountedComm):
+    """CountedComm that also tallies (name, dtype) of every buffer handed to MPI."""
+
+    def __init__(self, comm, timeline):
+        super().__init__(comm, timeline)
+        self.dtypes = collections.Counter()
+
+    def __getattr__(self, name):
+        call = super().__getattr__(name)
+        if name not in self.COUNTED:
+            return call
+
+        def tallied(*args, **kwargs):
+            buffer = args[1] if args[0] is tp.MPI.IN_PLACE else args[0]
+            self.dtypes[name, str(buffer.dtype).removeprefix("torch.")] += 1
+            return call(*args, **kwargs)
+        return tallied
 
 
 def randn(*shape, seed=0):
@@ -319,6 +344,28 @@ def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(size):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
+def test_vocab_parallel_cross_entropy_of_bf16_logits_is_computed_in_float32(size):
+    """bf16 logits (as autocast's head makes them): the loss is float32 and equals F.cross_entropy
+    of the same values in float32 to float32 rounding (the same sum of exponentials in bf16 is off
+    by more than 100 times that: computed below); the gradient goes back in bf16."""
+    def body(comm):
+        logits = (3 * randn(4, 6, tp.VOCAB)).bfloat16()
+        targets = torch.randint(tp.VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+        reference = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        padded = F.pad(logits, (0, tp.padded_vocab(comm.Get_size()) - tp.VOCAB))
+        local = mine(padded, 2, comm).requires_grad_()
+        loss = tp.VocabParallelCrossEntropy.apply(local, targets, counted(comm))
+        loss.backward()
+        top = logits.max(-1, keepdim=True).values  # the loss with its max and sum in bf16, for scale
+        in_bf16 = ((logits - top).exp().sum(-1).log() + top.squeeze(-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).float().mean()
+        return {"float32": loss.dtype == torch.float32 and local.grad.dtype == torch.bfloat16,
+                "equal": abs(loss.item() - reference.item()) < LAYER_TOLERANCE,
+                "bf16 would be seen": abs(in_bf16.item() - reference.item()) > 100 * LAYER_TOLERANCE}
+    assert not failures_on(size, body)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", SIZES)
 def test_vocab_parallel_embedding_equals_nn_embedding(size):
     with sub_comm(size) as comm:
         diff = 0.0
@@ -388,9 +435,10 @@ def test_whole_model_equals_the_unsharded_model(size):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
-def test_training_in_every_mode_equals_single_process_training(size, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_in_every_mode_equals_single_process_training(size, precision, monkeypatch):
     """Four steps plain, with --sequence-parallel, and with --regather --no-overlap: each within
-    the tolerance of one process, the two sequence-parallel runs bitwise alike (the regathered
+    the tolerance of one process in the same precision (bf16: both under autocast), the two sequence-parallel runs bitwise alike (the regathered
     input is the one kept), replicated parameters bitwise alike on every rank (with the sequence
     cut, only if their partial gradients are summed), every input gradient's exchange posted
     before its weight-gradient matmul began and waited for after it ended, none with --no-overlap."""
@@ -406,18 +454,18 @@ def test_training_in_every_mode_equals_single_process_training(size, monkeypatch
         runs = {}
         for mode, flags in {"plain": [], "sequence": ["--sequence-parallel"],
                             "regather": ["--sequence-parallel", "--regather", "--no-overlap"]}.items():
-            args = tp.parse_args(SMALL + ["--steps", "4", "--sample-chars", "0"] + flags, size)
-            group = group_of(comm, args.sequence_parallel, args.regather, not args.no_overlap)
+            args = tp.parse_args(SMALL + ["--steps", "4", "--sample-chars", "0", "--precision", precision] + flags, size)
+            group = group_of(comm, args.sequence_parallel, args.regather, not args.no_overlap, precision=precision)
             model, optimizer, _ = tp.sharded_model(args, group, CPU)
             losses, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
-            runs[mode] = {"losses": losses, "check": tp.check(comm, args, losses, model) <= tp.TOLERANCE,
+            runs[mode] = {"losses": losses, "check": tp.check(comm, args, losses, model) <= limit(precision),
                           "replicas": len(set(comm.allgather(tp.replicated_checksum(model)))) == 1,
                           "overlap": tp.posted_before_weight_grad(group.timeline.step_events),
                           "state": [p.detach().clone() for p in model.parameters()]}
         sequence, regather = runs["sequence"], runs["regather"]
         return {**{f"{mode} {key}": run[key] for mode, run in runs.items() for key in ("check", "replicas")},
                 "sequence-parallel losses against plain": max(
-                    abs(a - b) for a, b in zip(runs["plain"]["losses"], sequence["losses"])) <= tp.TOLERANCE,
+                    abs(a - b) for a, b in zip(runs["plain"]["losses"], sequence["losses"])) <= limit(precision),
                 "regather against keep": sequence["losses"] == regather["losses"] and all(
                     torch.equal(a, b) for a, b in zip(sequence["state"], regather["state"])),
                 f"overlap {[r['overlap'] for r in runs.values()]}":  # 2L + 1 exchanges a step, L = 2
@@ -507,17 +555,19 @@ def test_each_rank_device_receives_its_slice_and_nothing_more(size):
 
 
 @pytest.mark.mpi
-def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance(monkeypatch):
-    """Negative control. The trained state is nudged by 1.5 x TOLERANCE, one parameter at a time
-    (a sliced one on the last rank only, so that the gathering to rank 0 is tested too; a
-    replicated one on every rank), then one loss; and one parameter is made NaN. The check must
-    report more than TOLERANCE each time, and within it when nothing is nudged."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance(precision, monkeypatch):
+    """Negative control. The trained state is nudged by 1.5 x the precision's tolerance, one
+    parameter at a time (a sliced one on the last rank only, so that the gathering to rank 0 is
+    tested too; a replicated one on every rank), then one loss; and one parameter is made NaN. The
+    check must report more than the tolerance each time, and within it when nothing is nudged."""
+    tolerance = limit(precision)
     with sub_comm(3) as comm:  # 3 ranks: the vocabulary padded to 129, the last rank's slice odd
         failures = []
         if comm is not None:
-            rank, last, nudge = comm.Get_rank(), comm.Get_size() - 1, 1.5 * tp.TOLERANCE
-            args = tp.parse_args(SMALL + ["--steps", "2", "--sample-chars", "0"], 3)
-            group = group_of(comm)
+            rank, last, nudge = comm.Get_rank(), comm.Get_size() - 1, 1.5 * tolerance
+            args = tp.parse_args(SMALL + ["--steps", "2", "--sample-chars", "0", "--precision", precision], 3)
+            group = group_of(comm, precision=precision)
             model, optimizer, _ = tp.sharded_model(args, group, CPU)
             losses, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
             reference = tp.reference_training(args)
@@ -533,20 +583,92 @@ def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance(monkeypat
                 element.copy_(kept)
                 return report
 
-            if not tp.check(comm, args, losses, model) <= tp.TOLERANCE:
+            if not tp.check(comm, args, losses, model) <= tolerance:
                 failures.append("unperturbed")
             for name, p in model.named_parameters():
-                if not nudged(p, p.detach().view(-1)[0].item() + nudge) > tp.TOLERANCE:
+                if not nudged(p, p.detach().view(-1)[0].item() + nudge) > tolerance:
                     failures.append(name)
-            if not tp.check(comm, args, losses[:-1] + [losses[-1] + nudge], model) > tp.TOLERANCE:
+            if not tp.check(comm, args, losses[:-1] + [losses[-1] + nudge], model) > tolerance:
                 failures.append("last loss")
-            if nudged(next(model.parameters()), math.nan) <= tp.TOLERANCE:
+            if nudged(next(model.parameters()), math.nan) <= tolerance:
                 failures.append("NaN")
         assert agree(comm is None or not failures), failures
     with sub_comm(2) as pair:  # rank 0 alone receives the full model for the check
         full = None if pair is None else tp.gather_model(tp.sharded_model(tp.parse_args(SMALL, 2), group_of(pair), CPU)[0], pair)
         assert agree(pair is None or (full is None) == (pair.Get_rank() != 0))
         assert agree(pair is None or full is None or len(full) == 29)  # every parameter, L = 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_input_gradients_divided_by_n_fail_the_check(precision, monkeypatch):
+    """Negative control for the exchange of gradients: f's sum of the input gradients planted to
+    divide once more by N (an average where a sum belongs). At N = 2 the check must report more
+    than the precision's tolerance."""
+    real = tp.start_input_gradient_sum
+    monkeypatch.setattr(tp, "start_input_gradient_sum",
+                        lambda partial, group: real(partial / group.comm.Get_size(), group))
+    with sub_comm(2) as comm:
+        diff = 0.0
+        if comm is not None:
+            args = tp.parse_args(SMALL + ["--steps", "3", "--sample-chars", "0", "--precision", precision], 2)
+            group = group_of(comm, precision=precision)
+            model, optimizer, _ = tp.sharded_model(args, group, CPU)
+            losses, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
+            diff = tp.check(comm, args, losses, model)
+        assert max_everywhere(diff) > limit(precision), diff
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, precision", [(2, "fp32"), (3, "bf16")])  # every N and mode: measured to the byte
+def test_recomputation_keeps_what_its_formula_says_and_repeats_the_forward_exchanges(size, precision):
+    """Two steps with --recompute none, selective and full, plain and with the sequence cut: the
+    bytes autograd saved (saved-tensor hooks; autocast's copies of parameters left out) equal the
+    docstring's formula to the byte, selective below none and full below selective; the losses
+    are those without recomputation (bitwise in float32, within TOLERANCE_BF16 in bf16); the
+    collectives and bytes handed to MPI equal the formula, full's with the forward's exchanges
+    again in backward (2L allreduces of A more; with the sequence cut, 2L reduce-scatters and 2L
+    all-gathers); every sum in float32, every all-gather in the compute's dtype but the embedding's."""
+    def body(comm):
+        checks, L, steps, A = {}, 2, 2, 4 * 3 * 12 * 48  # SMALL: A = 4BTh
+        for split in ([], ["--sequence-parallel"]):
+            runs, mode = {}, "sequence" if split else "plain"
+            for recompute in ("none", "selective", "full"):
+                args = tp.parse_args(SMALL + ["--steps", str(steps), "--sample-chars", "0", "--precision", precision,
+                                              "--recompute", recompute] + split, size)
+                timeline = tp.Timeline(CPU)
+                group = tp.Group(DtypesComm(comm, timeline), timeline, bool(split), False, True, recompute, precision)
+                model, optimizer, _ = tp.sharded_model(args, group, CPU)
+                meter = tp.SavedActivations(model)
+                losses, _ = tp.train(args, comm, CPU, model, optimizer, group, meter)
+                runs[recompute] = run = {"losses": losses, "saved": meter.bytes, "calls": group.comm.calls,
+                                         "bytes": group.comm.bytes, "dtypes": group.comm.dtypes}
+                formula = tp.activation_bytes_formula(args, size, bool(split), False)
+                checks[f"{mode} {recompute}: saved {run['saved']}, formula {formula}"] = run["saved"] == formula
+                checks[f"{mode} {recompute}: exchanges {sum(run['calls'].values())}, {sum(run['bytes'].values())}"] = (
+                    sum(run["calls"].values()) / steps, sum(run["bytes"].values()) / steps) == tp.communication_formula(args, size)[:2]
+                gathers = {k: n for k, n in run["dtypes"].items() if k[0] == "Allgather"}
+                expected = collections.Counter()
+                if split:  # g's and the blocks' ḡ backward in the compute's dtype, the embedding's ḡ in float32
+                    expected["Allgather", "bfloat16" if precision == "bf16" else "float32"] += (4 * L + 1 + 2 * L * (
+                        recompute == "full")) * steps
+                    expected["Allgather", "float32"] += steps
+                checks[f"{mode} {recompute}: all-gathers {gathers}"] = gathers == expected
+                checks[f"{mode} {recompute}: sums in float32"] = all(
+                    dtype == "float32" for (name, dtype) in run["dtypes"] if name != "Allgather")
+            none, selective, full = runs["none"], runs["selective"], runs["full"]
+            checks[f"{mode}: full < selective < none"] = full["saved"] < selective["saved"] < none["saved"]
+            for recompute, run in runs.items():
+                checks[f"{mode} {recompute}: the losses without recomputation"] = (
+                    run["losses"] == none["losses"] if precision == "fp32" else
+                    max(abs(a - b) for a, b in zip(run["losses"], none["losses"])) <= tp.TOLERANCE_BF16)
+            again = {name: more for name in full["calls"] if (more := (full["calls"][name] - none["calls"][name]) / steps)}
+            checks[f"{mode}: the forward's exchanges again {again}"] = again == (
+                {"Reduce_scatter_block": 2 * L, "Allgather": 2 * L} if split else {"Allreduce": 2 * L})
+            if not split:
+                checks[f"{mode}: 2L x A bytes again"] = full["bytes"]["Allreduce"] - none["bytes"]["Allreduce"] == steps * 2 * L * A
+        return checks
+    assert not failures_on(size, body)
 
 
 @pytest.mark.parametrize("argv, world, words", [
@@ -616,6 +738,19 @@ def test_three_ranks_with_the_sequence_cut_and_regathered_match_one_process():
     assert max(abs(a - b) for a, b in zip(three["losses"], one["losses"])) <= tp.TOLERANCE
     assert three["collectives_per_step"] == three["collectives_formula"] == 10 * 4 + 9  # 8L + 8 + 2L + 1
     assert three["comm_bytes_per_step"] == three["comm_bytes_formula"]
+
+
+@pytest.mark.e2e
+def test_bf16_with_full_recomputation_and_the_sequence_cut_as_launched():
+    """N = 2, --precision bf16 --recompute full --sequence-parallel as a user runs it: the check in
+    bf16 passes, the collectives and bytes counted and the activations saved equal the formulas."""
+    run = last_json(launch("tensor_parallel.py", 2, "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16",
+                           "--batch-size", "4", "--steps", "3", "--sample-chars", "0", "--precision", "bf16",
+                           "--recompute", "full", "--sequence-parallel", "--json"))
+    assert run["precision"] == "bf16" and run["recompute"] == "full" and run["check_max_abs_diff"] <= tp.TOLERANCE_BF16
+    assert run["collectives_per_step"] == run["collectives_formula"] == 8 * 2 + 8 + 4 * 2  # 8L + 8 + 4L, L = 2
+    assert run["comm_bytes_per_step"] == run["comm_bytes_formula"]
+    assert run["activation_bytes_per_rank"] == [run["activation_bytes_formula"]] * 2
 
 
 @pytest.mark.e2e
