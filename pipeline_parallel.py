@@ -43,9 +43,33 @@ Peak memory, in micro-batches held from forward to backward (or W): zb-h1 min(M,
 executes every rank's list of actions on paper before anything is sent: every send meets its
 receive, every input exists before use, no deadlock. Each loss is divided by M.
 
+Activations: bytes a micro-batch of b = B/M sequences keeps from F to B per block (s = T, h = H, a
+heads, e = 4 fp32, 2 bf16; Korthikanti et al. 2022), and what --recompute leaves of them:
+   none       bs(8h + 14eh + 16) + abs^2 x (4, or 6 in bf16: softmax's float32 output, its bf16 copy)
+   selective  bs(8h + 14eh + 16), that is bs(64h + 16) in fp32, bs(36h + 16) in bf16
+   full       4bsh, the block's input (the residual stream is float32 in both)
+plus 8bs + 8s on the first stage (tokens, positions), bs((4+e)h + 4V + 16) + 4 on the last (head,
+log-softmax, targets); from B to W, each Linear's input and output gradient, 16ebsh a block (+
+ebs(h+V) on the last stage), which no recomputation removes. The dry run's bound (micro-batches
+held) stays: a rank holds at most bound x a micro-batch's bytes (zero bubble: F-to-B's or B-to-W's).
+Recomputation: torch.utils.checkpoint(fn, *inputs, use_reentrant=True), fn a block (full) or
+attention's scores, mask, softmax and x V (selective: q, k, v kept). The reentrant form keeps fn's
+inputs by save_for_backward, where the saved-tensor hooks that count activations see them (the other
+form hides them), runs fn without autograd and reruns it in backward under the forward's autocast.
+It refuses backward(inputs=): so B is a plain backward that the Linears split (W gets their weights').
+
+Precision: --precision bf16 runs forward and loss under torch.autocast(bfloat16) on float32
+parameters, the master weights: autocast casts each to bf16 as a matmul uses it (autograd keeps the
+copy); gradients land in float32 on the parameters, where the micro-batches add up (bf16 would halve
+their memory but round away small contributions; none crosses a rank), SGD's momentum is float32.
+Softmax, LayerNorm statistics, the loss and the residual stream stay float32. A message casts the
+residual to bf16 (back up on arrival) and its gradient too: half the bytes, for one rounding more,
+as autocast rounds every matmul input (Megatron sends bf16). MPI, which has no bf16 arithmetic, only
+moves buffers here: each is bf16 in bf16 runs, float32 in fp32.
+
 Communication per step: each of the K stage boundaries between two ranks (N-1; NV-1 interleaved;
-2N-2 in a V) carries M activations forward and M gradients back, each (B/M) x T x H float32:
-2K x B x T x H x 4 bytes in 2MK point-to-point messages, and no collective.
+2N-2 in a V) carries M activations forward and M gradients back, each (B/M) x T x H elements of e
+bytes: 2K x B x T x H x e bytes in 2MK point-to-point messages, and no collective.
 
 When to choose it: the model does not fit on one device and the links between devices are slow
 (only activations cross, and only at stage boundaries), with enough micro-batches per batch to
@@ -54,30 +78,13 @@ keep the bubble small. Combine it with data parallelism for more samples per sec
 The network: a GPT-2 style character-level language model trained on the source of Python's own
 argparse.py, textwrap.py and shlex.py. Run:  mpirun -np 4 python pipeline_parallel.py  (--help)
 """
-import argparse
-import collections
-import contextlib
-import ctypes
-import errno
-import functools
-import hashlib
-import importlib.util
-import io
-import json
-import math
-import os
-import shutil
-import signal
-import statistics
-import sys
-import time
-import traceback
-import types
-import weakref
+import argparse, collections, contextlib, ctypes, errno, functools, hashlib, importlib.util, io, json  # noqa: E401
+import math, os, shutil, signal, statistics, sys, time, traceback, types, weakref  # noqa: E401
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
@@ -89,6 +96,10 @@ STRATEGY = "pipeline_parallel"
 # the order of the float32 sums; over the default 60 steps that left at most 2.4e-6 in losses and
 # parameters (M = 2, 8, 16, both schedules, seeds 0-2): an eightfold margin.
 TOLERANCE = 2e-5
+# bf16, both sides under autocast: each micro-batch's weight gradients are rounded to bf16 apart.
+# Measured 1.2e-3 at most in the tests' runs (2-3 steps, N = 1..4, every schedule), 2.1e-2 on the
+# default model over 60 steps at N = 4; gradients sent back / N: 1.2e-1 in the tests' 2 steps.
+TOLERANCE_BF16 = 5e-2
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
@@ -104,6 +115,81 @@ POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core 
 # from stage - 1; send_/recv_grad, its gradient, from stage + 1. COST: a computation's slots.
 Action = collections.namedtuple("Action", "op mb stage")
 COST = {"forward": 1, "backward": 2, "backward_input": 1, "backward_weight": 1}
+
+
+def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline, precision="fp32"):
+    """One optimizer step: this rank's actions over M micro-batches. stage[c] is this rank's c-th
+    chunk, ranks[s] the rank of stage s. Returns on the rank of the last stage the step's loss
+    (the sum of the micro-batches' losses, each divided by M), elsewhere 0."""
+    rank, last, bf16 = comm.Get_rank(), len(ranks) - 1, precision == "bf16"
+    wire = torch.bfloat16 if bf16 else torch.float32  # what crosses a stage boundary, both ways
+    chunk = {s: stage[c] for c, s in enumerate(s for s in range(last + 1) if ranks[s] == rank)}
+    # Each micro-batch's tokens and targets in storage of their own: the meter counts what the
+    # embeddings and the loss keep for backward, not the whole batch that a view would share.
+    xs, ys = ([c.clone() for c in t.chunk(m)] for t in (x, y))
+    inputs, outputs, arrived, later, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
+    optimizer.zero_grad(set_to_none=False)
+
+    def peer(a):  # an input comes from the stage before and goes to the one after, a gradient back
+        return ranks[a.stage + (1 if a.op in ("send_act", "recv_grad") else -1)]
+
+    def post(a):  # start receiving: the message lands while this rank computes
+        t = torch.empty(x.size(0) // m, x.size(1), stage.hidden, dtype=wire, device=x.device)
+        buffer = mpi_buffer(t, send=False)
+        recvs[a] = (t, buffer, comm.Irecv(buffer, peer(a), tag(a.op[5:], a.mb, a.stage, last + 1)))
+
+    for k, a in enumerate(actions):
+        key, kind = (a.stage, a.mb), a.op[5:]  # kind: "act" or "grad" for a message (recv_act...)
+        if a.op in COST:  # post the next receive from another rank before computing
+            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_") and peer(b) != rank), None)
+            if upcoming is not None and upcoming not in recvs:
+                post(upcoming)
+        if a.op.startswith("recv_") and peer(a) != rank:  # from this rank: already in `arrived`
+            if a not in recvs:
+                post(a)
+            t, buffer, request = recvs.pop(a)
+            request.Wait()  # idle until the peer's message is in
+            arrived[kind, key] = from_mpi(t, buffer)
+        elif a.op.startswith("send_"):
+            to = a.stage + 1 if kind == "act" else a.stage - 1
+            t = outputs[key].detach().to(wire) if kind == "act" else inputs.pop(key).grad  # a grad: wire's too
+            if peer(a) == rank:  # the next stage lives here too (the turn of the V): no message
+                arrived[kind, (to, a.mb)] = t
+            else:  # the buffer must stay untouched until the send completes
+                buffer = mpi_buffer(t.contiguous())
+                sends.append((buffer, comm.Isend(buffer, peer(a), tag(kind, a.mb, to, last + 1))))
+        elif a.op == "forward":
+            with timeline.span("compute", f"F{a.mb}"), meter.saving(key), \
+                    torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+                inp = xs[a.mb] if a.stage == 0 else arrived.pop(("act", key)).requires_grad_()
+                h = inp.float() if a.stage else inp  # the residual stream goes on in float32
+                out = chunk[a.stage](h) if len(chunk[a.stage]) else h.view_as(h)  # no blocks: pass on
+                if a.stage == last:  # in float32, divided by M: the summed gradients are the whole batch's
+                    out = F.cross_entropy(out.float().flatten(0, 1), ys[a.mb].flatten()) / m
+                    total += out.item()
+            inputs[key], outputs[key] = inp, out
+        elif a.op in ("backward", "backward_input"):
+            grad = None if a.stage == last else arrived.pop(("grad", key)).float()  # as its output
+            with timeline.span("compute", f"{a.op[0].upper()}{a.mb}"):
+                outputs.pop(key).backward(grad)
+                if a.op == "backward_input":  # B: the input's gradient and the small weights' (LayerNorm,
+                    # embeddings). Each Linear's backward (LinearWeightsLater, below) gave none for
+                    # its weights but left in chunk.later what W needs: held until W
+                    later[key] = [(meter.hold(key, x_), meter.hold(key, g), w, b)
+                                  for x_, g, w, b in chunk[a.stage].later]
+                    chunk[a.stage].later.clear()
+            if a.stage == 0:
+                inputs.pop(key)
+        elif a.op == "backward_weight":
+            with timeline.span("compute", f"W{a.mb}"):
+                weight_gradients(later.pop(key))
+        sends = [(b, s) for b, s in sends if not s.Test()]  # MPICH progresses only inside MPI calls
+    for _, request in sends:
+        request.Wait()
+    with timeline.span("compute", "optimizer"):
+        optimizer.step()
+    return total
+
 
 # MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
 # Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
@@ -131,77 +217,6 @@ def from_mpi(t, buffer):
     return t
 
 
-def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline):
-    """One optimizer step: this rank's actions over M micro-batches. stage[c] is this rank's c-th
-    chunk, ranks[s] the rank of stage s. Returns on the rank of the last stage the step's loss
-    (the sum of the micro-batches' losses, each divided by M), elsewhere 0."""
-    rank, last = comm.Get_rank(), len(ranks) - 1
-    chunk = {s: stage[c] for c, s in enumerate(s for s in range(last + 1) if ranks[s] == rank)}
-    xs, ys = x.chunk(m), y.chunk(m)
-    inputs, outputs, arrived, later, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
-    optimizer.zero_grad(set_to_none=False)
-
-    def peer(a):  # an input comes from the stage before and goes to the one after, a gradient back
-        return ranks[a.stage + (1 if a.op in ("send_act", "recv_grad") else -1)]
-
-    def post(a):  # start receiving: the message lands while this rank computes
-        t = torch.empty(x.size(0) // m, x.size(1), stage.hidden, device=x.device)
-        buffer = mpi_buffer(t, send=False)
-        recvs[a] = (t, buffer, comm.Irecv(buffer, peer(a), tag(a.op[5:], a.mb, a.stage, last + 1)))
-
-    for k, a in enumerate(actions):
-        key, kind = (a.stage, a.mb), a.op[5:]  # kind: "act" or "grad" for a message (recv_act...)
-        if a.op in COST:  # post the next receive from another rank before computing
-            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_") and peer(b) != rank), None)
-            if upcoming is not None and upcoming not in recvs:
-                post(upcoming)
-        if a.op.startswith("recv_") and peer(a) != rank:  # from this rank: already in `arrived`
-            if a not in recvs:
-                post(a)
-            t, buffer, request = recvs.pop(a)
-            request.Wait()  # idle until the peer's message is in
-            arrived[kind, key] = from_mpi(t, buffer)
-        elif a.op.startswith("send_"):
-            to = a.stage + 1 if kind == "act" else a.stage - 1
-            t = outputs[key].detach() if kind == "act" else inputs.pop(key).grad
-            if peer(a) == rank:  # the next stage lives here too (the turn of the V): no message
-                arrived[kind, (to, a.mb)] = t
-            else:  # the buffer must stay untouched until the send completes
-                buffer = mpi_buffer(t.contiguous())
-                sends.append((buffer, comm.Isend(buffer, peer(a), tag(kind, a.mb, to, last + 1))))
-        elif a.op == "forward":
-            with timeline.span("compute", f"F{a.mb}"), meter.saving(key):
-                inp = xs[a.mb] if a.stage == 0 else arrived.pop(("act", key)).requires_grad_()
-                out = chunk[a.stage](inp) if len(chunk[a.stage]) else inp.view_as(inp)  # no blocks: pass on
-                if a.stage == last:  # divided by M: the summed gradients are the whole batch's
-                    out = F.cross_entropy(out.flatten(0, 1), ys[a.mb].flatten()) / m
-                    total += out.item()
-            inputs[key], outputs[key] = inp, out
-        elif a.op in ("backward", "backward_input"):
-            grad = None if a.stage == last else arrived.pop(("grad", key))
-            with timeline.span("compute", f"{a.op[0].upper()}{a.mb}"):
-                if a.op == "backward":
-                    outputs.pop(key).backward(grad)
-                else:  # B: the input's gradient and the small weights'. Each Linear's backward
-                    # (LinearWeightsLater, below) left in chunk.later what W needs: held until W
-                    leaves = [inputs[key]] * (a.stage > 0) + chunk[a.stage].weights_in_b
-                    outputs.pop(key).backward(grad, inputs=leaves)
-                    later[key] = [(meter.hold(key, x_), meter.hold(key, g), w, b)
-                                  for x_, g, w, b in chunk[a.stage].later]
-                    chunk[a.stage].later.clear()
-            if a.stage == 0:
-                inputs.pop(key)
-        elif a.op == "backward_weight":
-            with timeline.span("compute", f"W{a.mb}"):
-                weight_gradients(later.pop(key))
-        sends = [(b, s) for b, s in sends if not s.Test()]  # MPICH progresses only inside MPI calls
-    for _, request in sends:
-        request.Wait()
-    with timeline.span("compute", "optimizer"):
-        optimizer.step()
-    return total
-
-
 def tag(kind, mb, stage, stages):
     """The message that carries the input (act) or the gradient (grad) of `stage` for micro-batch
     mb: a tag of its own for each message of a step, so none can match another's receive."""
@@ -222,14 +237,16 @@ class LinearWeightsLater(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, later):
+        if torch.is_autocast_enabled(x.device.type):  # the bf16 copy of x that autocast would keep
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x)
-        ctx.weight, ctx.bias, ctx.later = weight, bias, later  # the parameters themselves, for W
-        return F.linear(x, weight, bias)
+        ctx.weight, ctx.bias, ctx.later = weight, bias, later  # the float32 parameters themselves, for W
+        return F.linear(x, weight, bias)  # autocast casts weight and bias to bf16 as it uses them
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # grad is bf16 under autocast: so is the weights' copy, cast anew
         ctx.later.append((ctx.saved_tensors[0], grad, ctx.weight, ctx.bias))
-        return grad @ ctx.weight, None, None, None
+        return grad @ ctx.weight.to(grad.dtype), None, None, None
 
 
 class Linear(nn.Linear):
@@ -244,11 +261,13 @@ class Linear(nn.Linear):
 class ActivationMeter:
     """What autograd really holds for each (stage, micro-batch) between its forward and its
     backward (or W): every tensor saved for backward is counted by storage from the moment it is
-    saved until the last reference to it dies (a weakref finalizer), parameters and buffers left
-    out. Peak: the most (stage, micro-batch) pairs holding memory at once, and their bytes."""
+    saved until the last reference to it dies (a weakref finalizer), parameters, buffers and
+    autocast's bf16 copies of parameters left out. Peak: the most (stage, micro-batch) pairs
+    holding memory at once, and their bytes."""
 
     def __init__(self, stage):
         self.fixed = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
+        self.parameters = {id(p) for p in stage.parameters()}
         self.live, self.refs = collections.Counter(), collections.Counter()  # key -> bytes, (key, storage) -> tensors
         self.peak_count = self.peak_bytes = self.per_mb = 0
 
@@ -256,7 +275,7 @@ class ActivationMeter:
         """Count t for key until the object returned (an alias of t) is freed."""
         storage = t.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()
-        if ptr in self.fixed:
+        if ptr in self.fixed or self.parameter_copy(t):
             return t
         alias = t.detach()
         self.refs[key, ptr] += 1
@@ -267,6 +286,13 @@ class ActivationMeter:
             self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
         weakref.finalize(alias, self.release, key, ptr, size)
         return alias
+
+    def parameter_copy(self, t):
+        """autocast's bf16 copy of a parameter (or a view of it): made by a cast (ToCopyBackward0)
+        straight from the parameter's AccumulateGrad. A weight, not an activation."""
+        cast = (t if t._base is None else t._base).grad_fn
+        return type(cast).__name__ == "ToCopyBackward0" and \
+            id(getattr(cast.next_functions[0][0], "variable", None)) in self.parameters
 
     def release(self, key, ptr, size):
         self.refs[key, ptr] -= 1
@@ -285,8 +311,8 @@ def weight_gradients(work):
     for x, grad, weight, bias in work:
         g = grad.reshape(-1, grad.shape[-1])
         for p, value in ((weight, g.t() @ x.reshape(-1, x.shape[-1])), (bias, g.sum(0))):
-            if p is not None:
-                p.grad = value if p.grad is None else p.grad.add_(value)
+            if p is not None:  # a bf16 product under autocast, added up in float32 on the parameter
+                p.grad = value.to(p.dtype) if p.grad is None else p.grad.add_(value)
 
 
 class ScheduleError(Exception):
@@ -443,6 +469,19 @@ def schedule_bound(name, n, m, rank, v=1):
             "interleaved": min(m * v, 2 * (n - 1 - rank) + (v - 1) * n + 1)}[name]
 
 
+def activation_bytes(args, s, stages, after_b=False):
+    """The docstring's formula: bytes one micro-batch keeps for backward in stage s from F to B,
+    or (after_b) from B to W, each Linear's input and output gradient."""
+    b, t, h, a, lo_hi = args.batch_size // args.micro_batches, args.seq_len, args.hidden, args.heads, \
+        layer_split(args.layers, stages)[s]
+    e, blocks, last = 2 if args.precision == "bf16" else 4, lo_hi[1] - lo_hi[0], s == stages - 1
+    if after_b:
+        return blocks * 16 * e * b * t * h + last * e * b * t * (h + VOCAB)
+    block = {"none": b * t * (8 * h + 14 * e * h + 16) + (4 if e == 4 else 6) * a * b * t * t,
+             "selective": b * t * (8 * h + 14 * e * h + 16), "full": 4 * b * t * h}[args.recompute]
+    return blocks * block + (s == 0) * 8 * (b * t + t) + last * (b * t * ((4 + e) * h + 4 * VOCAB + 16) + 4)
+
+
 def bubble_theory(name, n, m, v=1):
     """The idle share of the step when F, B and W each cost the same (a whole backward two)."""
     return {"gpipe": (n - 1) / (m + n - 1), "1f1b": (n - 1) / (m + n - 1),
@@ -535,6 +574,7 @@ def dry_run(schedules, m, ranks):
 # -----------------------------------------------------------------------------
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees itself and the positions before it."""
+    recompute = "none"  # build_stage gives the ranks' modules --recompute; the reference keeps "none"
 
     def __init__(self, hidden, heads, seq_len):
         super().__init__()
@@ -546,14 +586,22 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
                    for z in self.qkv(x).split(c, dim=2))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        weights = scores.masked_fill(self.future[:t, :t], float("-inf")).softmax(dim=-1)
-        return self.proj((weights @ v).transpose(1, 2).reshape(b, t, c))
+        core = checkpoint(self.core, q, k, v, use_reentrant=True) if self.recompute == "selective" \
+            else self.core(q, k, v)  # selective: q, k, v kept, the rest rerun in backward
+        return self.proj(core.transpose(1, 2).reshape(b, t, c))
+
+    def core(self, q, k, v):
+        """Scores, mask, softmax (in float32) and times V: what grows with the sequence squared."""
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        t = scores.size(-1)
+        return scores.float().masked_fill(self.future[:t, :t], float("-inf")).softmax(dim=-1) @ v
 
 
 class Block(nn.Module):
     """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
     weights, so that float32 rounding differences between world sizes stay at rounding level."""
+
+    recompute = "none"
 
     def __init__(self, hidden, heads, seq_len):
         super().__init__()
@@ -561,7 +609,10 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(Linear(hidden, 4 * hidden), nn.GELU(), Linear(4 * hidden, hidden))
 
-    def forward(self, x):
+    def forward(self, x):  # full: only x is kept, the block reruns in backward
+        return checkpoint(self.body, x, use_reentrant=True) if self.recompute == "full" else self.body(x)
+
+    def body(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -624,13 +675,14 @@ def build_stage(args, ranks, rank, device, split_backward):
                           for s in range(len(ranks)) if ranks[s] == rank)
     del model
     stage.hidden = args.hidden
+    for m in stage.modules():
+        if isinstance(m, (Block, CausalSelfAttention)):
+            m.recompute = args.recompute
     for chunk in stage.to(device):
         linear = [m for m in chunk.modules() if isinstance(m, Linear)]
         chunk.later = []
         for m in linear * split_backward:
             m.later = chunk.later
-        in_linear = {id(p) for m in linear for p in m.parameters()}
-        chunk.weights_in_b = [p for p in chunk.parameters() if id(p) not in in_linear]
     return stage
 
 
@@ -674,7 +726,7 @@ def train(args, comm, counted, run, stage, optimizer, actions, ranks, meter, pas
         start = time.perf_counter()
         x, y = (t.to(run.device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         losses.append(train_step(stage, optimizer, actions, ranks, x, y, args.micro_batches, counted, meter,
-                                 run.timeline))
+                                 run.timeline, args.precision))
         records.append(run.timeline.step_record(start))
         window = (start - run.timeline.origin_s, start - run.timeline.origin_s + records[-1]["step_s"])
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
@@ -754,7 +806,8 @@ def reference_training(args):
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -799,13 +852,14 @@ def print_header(comm, args, run, stage, ranks, resumed):
            f"schedule {args.schedule}{f' ({v} chunks per rank)' if v > 1 else ''} | global batch "
            f"{args.batch_size} = {m} micro-batches x {args.batch_size // m} sequences of {args.seq_len} characters"
            f" | between stages: {[args.batch_size // m, args.seq_len, args.hidden] if n > 1 else 'nothing'} "
-           f"float32 | dry run of every rank's actions: each send meets its receive, each input exists before "
+           f"{'bfloat16' if args.precision == 'bf16' else 'float32'} | recompute {args.recompute} | dry run of every rank's actions: each send meets its receive, each input exists before "
            f"use, no deadlock")
 
 def report(comm, args, run, ideal, ranks, stage, losses, records, window, counted, meter, diff):
     """The timelines, the bubble, memory, messages and overlap; then finish() (the split of a step,
     the verdict, --json). Returns the exit status."""
     n, m, v, steps_run = comm.Get_size(), args.micro_batches, args.virtual_stages, max(1, len(records))
+    split = args.schedule in ("zb-h1", "zbv")  # B and W apart: a micro-batch also holds W's tensors
     messages = comm.allreduce(counted.calls["Isend"] / steps_run)
     sent = comm.allreduce(counted.bytes["Isend"] / steps_run)
     (spans, ideal_peak), slots = ideal, max(e for row in ideal[0] for _, _, e in row)
@@ -817,7 +871,10 @@ def report(comm, args, run, ideal, ranks, stage, losses, records, window, counte
     back_to_back = back_to_back_bubble(spans, 3 * m * v)
     bounds = [schedule_bound(args.schedule, n, m, r, v) for r in range(n)]
     crossings = sum(a != b for a, b in zip(ranks, ranks[1:]))  # stage boundaries between two ranks
-    formula = 2 * crossings * args.batch_size * args.seq_len * args.hidden * 4
+    e = 2 if args.precision == "bf16" else 4  # bytes of an element on the wire
+    formula = 2 * crossings * args.batch_size * args.seq_len * args.hidden * e
+    one = [max(max(activation_bytes(args, s, n * v), activation_bytes(args, s, n * v, after_b=True) * split)
+               for s in range(n * v) if ranks[s] == r) for r in range(n)]  # a micro-batch chunk, in theory
     states = comm.allgather(3 * sum(p.numel() * p.element_size() for p in stage.parameters()))
     expected = [s + p[1] for s, p in zip(states, peaks)]
     in_flight = [comm.allreduce(c) for c in sends_in_flight(run.timeline.step_events)]  # over the ranks: not counted
@@ -832,12 +889,14 @@ def report(comm, args, run, ideal, ranks, stage, losses, records, window, counte
              f"{' '.join(f'{100 * w:.0f}%' for w in waits)}) | theory {THEORY[args.schedule]} = {100 * theory:.1f}%",
              f"micro-batch chunks held at once (counted: the tensors autograd saved for backward or W), peak per "
              f"rank: {' '.join(str(p[0]) for p in peaks)} | bound {BOUND[args.schedule]}: {' '.join(map(str, bounds))}"
-             f" | those tensors at their peak: {' '.join(f'{p[1] / 1e6:.2f}' for p in peaks)} MB (one chunk: at "
-             f"most {max(p[2] for p in peaks) / 1e6:.2f} MB)",
+             f" | those tensors at their peak: {' '.join(f'{p[1] / 1e6:.3f}' for p in peaks)} MB, at most bound x one "
+             f"chunk's {' '.join(f'{b * o / 1e6:.3f}' for b, o in zip(bounds, one))} | one chunk (recompute "
+             f"{args.recompute}{', F to B or B to W' * split}): {' '.join(f'{p[2] / 1e6:.3f}' for p in peaks)} MB, "
+             f"formula {' '.join(f'{o / 1e6:.3f}' for o in one)}",
              f"memory per rank: stage states (parameters, gradients, momentum: 3 x 4 bytes a parameter) + those "
              f"tensors at their peak = {' | '.join(f'{b / 1e6:.2f}' for b in expected)} MB; measured peak "
              f"{' | '.join(f'{b / 1e6:.2f}' for b in comm.allgather(run.memory.bytes))} MB",
-             f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; 2K x B x T x H x 4 = "
+             f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; 2K x B x T x H x {e} = "
              f"{formula:,} with K = {crossings} stage boundaries between ranks | no collective in the step"]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
         "comm_bytes_per_step": sent, "collectives_per_step": 0, "schedule": args.schedule,
@@ -849,6 +908,8 @@ def report(comm, args, run, ideal, ranks, stage, losses, records, window, counte
         "peak_activations": [p[0] for p in peaks], "peak_activations_bound": bounds,
         "peak_activations_dry_run": ideal_peak, "peak_activation_bytes": [p[1] for p in peaks],
         "activation_bytes_per_micro_batch": [p[2] for p in peaks], "stage_state_bytes": states,
+        "activation_bytes_per_rank": [p[1] for p in peaks], "activation_bytes_per_micro_batch_formula": one,
+        "activation_bytes_bound": [b * o for b, o in zip(bounds, one)],
         "memory_formula_bytes": expected, "overlap": {"sends_in_flight_during_compute": in_flight}})
 
 def draw_timeline(rows, length, columns, width):

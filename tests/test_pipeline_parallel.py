@@ -192,37 +192,55 @@ def train_pipeline(args, comm, network=lambda comm: comm):
         start = time.perf_counter()
         losses.append(pp.train_step(stage, optimizer, actions, ranks,
                                     *pp.make_batch(args.seed, step, args.batch_size, args.seq_len),
-                                    args.micro_batches, counted, meter, timeline))
+                                    args.micro_batches, counted, meter, timeline, args.precision))
         timeline.step_record(start)
     return comm.bcast(losses, root=ranks[-1]), stage, meter, ranks, timeline
 
 
+def limit(precision):
+    return pp.TOLERANCE_BF16 if precision == "bf16" else pp.TOLERANCE
+
+
+def differences(comm, args, losses, stage, ranks, nudge):
+    """The check's largest |difference| against one process, over every rank; and the negative
+    control: each of this rank's parameters moved in turn by `nudge`, the least largest difference
+    that gives (every nudged parameter must be seen)."""
+    ref_losses, ref_model = pp.reference_training(args)
+    refs = [p.detach() for s in range(len(ranks)) if ranks[s] == comm.Get_rank()
+            for p in ref_model[pp.stage_slice(args.layers, s, len(ranks))].parameters()]
+    mine = [p.detach() for p in stage.parameters()]
+    assert [p.shape for p in mine] == [p.shape for p in refs]
+    of_losses = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    diff = max([of_losses] + [(p - r).abs().max().item() for p, r in zip(mine, refs)])
+    nudged = min(max(of_losses, (p + nudge - r).abs().max().item()) for p, r in zip(mine, refs))
+    return max_everywhere(diff, comm), nudged
+
+
 @pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("size", SIZES)
-def test_pipeline_equals_single_process_training(size, name):
+def test_pipeline_equals_single_process_training(size, name, precision):
     with sub_comm(size) as comm:
         if comm is not None:
-            check_against_reference(comm, size, name)
+            check_against_reference(comm, size, name, precision)
 
 
-def check_against_reference(comm, size, name):
+def check_against_reference(comm, size, name, precision):
     # M below (or at) N and above; interleaved takes multiples of N that divide the batch of 12.
+    # bf16: the larger M alone (the most micro-batches' bf16 gradients rounded apart), to save time.
     ms = [m for m in (size, 2 * size) if 12 % m == 0] if name == "interleaved" else sorted({max(1, size - 1), 6})
-    for m in ms:
-        args = pp.parse_args(TINY + ["--micro-batches", str(m), "--schedule", name], size)
+    for m in ms[-1:] if precision == "bf16" else ms:
+        args = pp.parse_args(TINY + ["--micro-batches", str(m), "--schedule", name, "--precision", precision], size)
         losses, stage, meter, ranks, _ = train_pipeline(args, comm)
-        ref_losses, ref_model = pp.reference_training(args)
-        ref = torch.cat([p.detach().reshape(-1) for s in range(len(ranks)) if ranks[s] == comm.Get_rank()
-                         for p in ref_model[pp.stage_slice(args.layers, s, len(ranks))].parameters()])
-        mine = torch.cat([p.detach().reshape(-1) for p in stage.parameters()])
-        diff = max([abs(a - b) for a, b in zip(losses, ref_losses)] + [(mine - ref).abs().max().item()])
-        assert max_everywhere(diff, comm) <= pp.TOLERANCE, (size, name, m)
+        diff, nudged = differences(comm, args, losses, stage, ranks, nudge=1.5 * limit(precision))
+        assert diff <= limit(precision) and agree(nudged > limit(precision), comm), (size, name, m, diff, nudged)
         # Measured from what autograd holds: the schedule's bound at the peak, nothing left after.
         bound = pp.schedule_bound(name, size, m, comm.Get_rank(), args.virtual_stages)
         assert agree(meter.peak_count == bound and meter.peak_bytes <= bound * meter.per_mb
                      and not meter.live and not meter.refs, comm), (name, size, m)
-        assert comm.allreduce(mine.numel()) == sum(p.numel() for p in ref_model.parameters())
+        params = sum(p.numel() for p in stage.parameters())
+        assert comm.allreduce(params) == sum(p.numel() for p in pp.build_model(args).parameters())
 
 
 @pytest.mark.mpi
@@ -241,6 +259,104 @@ def test_activations_kept_after_their_backward_are_seen():
             finally:
                 torch.Tensor.backward = original
             assert agree(meter.peak_count == 4 and meter.live, comm)  # the bound is 2 and 1
+
+
+def one_micro_batch(args, n, rank):
+    """The formula's bytes for one micro-batch chunk of this rank (docstring: Activations): the
+    largest of its stages, from F to B, and from B to W where the schedule splits the backward."""
+    v, split = args.virtual_stages, args.schedule in ("zb-h1", "zbv")
+    return max(max(pp.activation_bytes(args, s, n * v), split * pp.activation_bytes(args, s, n * v, True))
+               for s in range(n * v) if pp.stage_rank(args.schedule, n, s) == rank)
+
+
+class Counted:
+    """The network of train_pipeline: the counting communicator, kept for the test to read."""
+
+    def __call__(self, comm):
+        self.comm = comm
+        return comm
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv"])
+def test_activation_bytes_equal_the_formula_and_recomputation_keeps_the_losses(name, precision):
+    """For none, selective and full: what autograd saved per micro-batch chunk (the meter) equals
+    the docstring's formula exactly, the peak held at once stays within the dry run's bound x one
+    chunk (equal to it where every micro-batch holds the same: 1f1b), selective < none and full <
+    selective, the losses equal those without recomputation (bit for bit in fp32: the recomputed
+    forward is the same arithmetic), and the bytes handed to MPI equal 2K x B x T x H x e."""
+    size, m = 2, 4
+    with sub_comm(size) as comm:
+        if comm is None:
+            return
+        rank, measured, formula, losses = comm.Get_rank(), {}, {}, {}
+        for recompute in ("none", "selective", "full"):
+            args = pp.parse_args(TINY + ["--steps", "1", "--micro-batches", str(m), "--schedule", name,
+                                         "--precision", precision, "--recompute", recompute], size)
+            counted = Counted()
+            losses[recompute], _, meter, ranks, _ = train_pipeline(args, comm, counted)
+            one, bound = one_micro_batch(args, size, rank), pp.schedule_bound(name, size, m, rank, args.virtual_stages)
+            measured[recompute], formula[recompute] = meter.per_mb, pp.activation_bytes(args, rank, size)
+            assert agree(meter.per_mb == one and meter.peak_count == bound and meter.peak_bytes <= bound * one
+                         and (meter.peak_bytes == bound * one or name != "1f1b"), comm), \
+                (name, precision, recompute, rank, meter.per_mb, one, meter.peak_bytes, bound)
+            crossings = sum(a != b for a, b in zip(ranks, ranks[1:]))
+            e = 2 if precision == "bf16" else 4
+            assert comm.allreduce(counted.comm.bytes["Isend"]) == 2 * crossings * 12 * 8 * 16 * e  # B x T x H x e
+        if name == "1f1b":  # one stage per rank, the whole backward at once: F-to-B bytes alone
+            assert agree(measured["full"] < measured["selective"] < measured["none"], comm), measured
+        assert agree(formula["full"] < formula["selective"] < formula["none"], comm), formula
+        for recompute in ("selective", "full"):
+            if precision == "fp32":
+                assert losses[recompute] == losses["none"], (recompute, losses)
+            else:
+                assert max(abs(a - b) for a, b in zip(losses[recompute], losses["none"])) <= pp.TOLERANCE_BF16
+
+
+@pytest.mark.mpi
+def test_the_meter_leaves_out_the_bf16_copies_of_the_weights():
+    """The plant: a meter that counts autocast's bf16 copies of the parameters as activations sees
+    exactly 2 bytes per Linear weight element more per micro-batch than the formula (1f1b keeps a
+    copy per Linear; the biases' copies are not needed in backward, so not saved)."""
+    with sub_comm(2) as comm:
+        if comm is not None:
+            args = pp.parse_args(TINY + ["--steps", "1", "--micro-batches", "2", "--precision", "bf16"], 2)
+            keep = pp.ActivationMeter.parameter_copy
+            pp.ActivationMeter.parameter_copy = lambda self, t: False
+            try:
+                _, stage, meter, _, _ = train_pipeline(args, comm)
+            finally:
+                pp.ActivationMeter.parameter_copy = keep
+            weights = sum(l.weight.numel() for l in stage.modules() if isinstance(l, pp.Linear))
+            assert agree(meter.per_mb - one_micro_batch(args, 2, comm.Get_rank()) == 2 * weights, comm)
+
+
+class GradientsScaled:
+    """The plant: the counting communicator, but every gradient sent back to the stage before is
+    divided by N once more on its way (a gradient tag is even), as a mistaken average would."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def Isend(self, buffer, dest, tag):
+        if tag % 2 == 0:
+            buffer.div_(self.comm.Get_size())
+        return self.comm.Isend(buffer, dest, tag)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gradients_scaled_by_one_over_n_fail_the_check(precision):
+    with sub_comm(3) as comm:
+        if comm is not None:
+            args = pp.parse_args(TINY + ["--micro-batches", "3", "--precision", precision], 3)
+            losses, stage, _, ranks, _ = train_pipeline(args, comm, GradientsScaled)
+            diff, _ = differences(comm, args, losses, stage, ranks, 0.0)
+            assert diff > limit(precision), diff
 
 
 class EachSendWaitedAtOnce:
@@ -338,6 +454,23 @@ def test_launches_agree_across_world_sizes_schedules_and_micro_batches(tmp_path)
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in trace} == {0, 1, 2, 3}
     assert {"F0", "B1", "optimizer", "Isend", "Irecv", "Irecv wait"} <= {e["name"] for e in trace}
+
+
+@pytest.mark.e2e
+def test_a_bf16_run_with_recomputation_passes_its_check_and_its_formulas():
+    """As a user runs it: bf16 and full recomputation under zb-h1 at N = 3 (B and W apart, so
+    recomputation runs inside B). The check against one process in bf16 passes; the bytes handed
+    to MPI are bf16's (e = 2); each rank's measured bytes per micro-batch chunk equal the formula's,
+    and the peak held stays within the bound x one chunk."""
+    flags = [*SMALL, "--micro-batches", "3", "--schedule", "zb-h1", "--precision", "bf16", "--recompute", "full"]
+    out = launch("pipeline_parallel.py", 3, *flags, "--steps", 2, "--json", timeout=300)
+    result, args = last_json(out), pp.parse_args(flags, 3)
+    assert result["precision"] == "bf16" and result["recompute"] == "full" and "-> PASS" in out.stdout
+    assert result["check_max_abs_diff"] <= pp.TOLERANCE_BF16
+    assert result["comm_bytes_per_step"] == 2 * 2 * 12 * 16 * 32 * 2  # 2K x B x T x H x 2, K = 2
+    assert result["activation_bytes_per_micro_batch"] == result["activation_bytes_per_micro_batch_formula"] == \
+        [one_micro_batch(args, 3, r) for r in range(3)]
+    assert all(0 < a <= b for a, b in zip(result["activation_bytes_per_rank"], result["activation_bytes_bound"]))
 
 
 @pytest.mark.e2e
