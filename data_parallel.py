@@ -95,10 +95,10 @@ STRATEGY = "data_parallel"
 # Not for BatchNorm over 3 samples (batch 24 on 4 ranks with --accum-steps 2): the variance of 3
 # samples amplifies rounding to 4.5e-5 in 12 steps. Check with 6 or more per rank and micro-step.
 TOLERANCE = 2e-5
-# bf16, both sides: at most 1.05e-3 over N = 1..4 in the tests' runs (3 steps of batch 24, with and
-# without --sync-bn and --accum-steps 2; N = 3 worst), 1.04e-3 in 60 default steps at N = 4: a weight's
-# float32 rounding that crosses a bf16 boundary moves its bf16 copy by 2^-8. About 4x.
-TOLERANCE_BF16 = 4e-3
+# bf16, both sides: 1.05e-3 at most in the tests' runs (N = 1..4), 6.6e-3 in 60 steps at N = 3 (batch 48),
+# 1.04e-3 at N = 4: a weight's float32 rounding that crosses a bf16 boundary moves its bf16 copy by 2^-8.
+# 3x the worst; a gradient divided once more by N gives 5.0e-2 in 3 steps at N = 2.
+TOLERANCE_BF16 = 2e-2
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 
 

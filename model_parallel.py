@@ -30,44 +30,33 @@ their gradient back, each B x T x H elements of e bytes (float32: e = 4; bf16: e
 2(N-1) x B x T x H x e bytes in 2(N-1) point-to-point messages over all ranks, and no collective
 (each rank updates only its own parameters).
 
-Mixed precision (--precision bf16): the forward and the loss run under
-torch.autocast(dtype=torch.bfloat16), on the ranks and in the check's one process alike. The
-parameters stay float32, the master weights: autocast casts each to bf16 as a matmul uses it
-(autograd keeps that copy for backward), the gradients land in float32 on the parameters and
-SGD's momentum is float32. No gradient is reduced here (each rank owns its parameters), so the
-choice between float32 and bf16 gradient sums (half the bytes, rounding when many are summed, and
-no MPI sum for bf16) does not arise. LayerNorm's input, the softmax and the loss are float32
-(.float(): on the CPU autocast would leave them in bf16). The residual stream between blocks is
-bf16, as Megatron keeps it by default (its --fp32-residual-connection is the other way): the
-embeddings cast it, and a block adds bf16 to bf16. So what crosses a boundary is already bf16 and
-travels as bf16, activations forward and their gradients back (e = 2, half the bytes): a pure move,
-which MPI does for bf16 as for any bytes, and the same numbers as in one process, with no rounding
-at a boundary that would depend on where the cuts fall. A float32 stream would send e = 4.
+bf16 (--precision): forward and loss under torch.autocast(dtype=torch.bfloat16), on the ranks and
+in the check's one process. The parameters stay float32 (master weights; autocast casts each to bf16
+as a matmul uses it), gradients land in float32, SGD's momentum is float32; no gradient is summed
+here, so float32 against bf16 sums (half the bytes, rounding, no MPI bf16 sum) does not arise.
+LayerNorm's input, softmax and loss in float32 (.float(): the CPU's autocast leaves them bf16). The
+residual stream is bf16 from the embeddings on, as Megatron's default (--fp32-residual-connection
+the other way), so what crosses a boundary is bf16 already and travels as bf16 both ways (e = 2):
+a pure move, with no rounding at a cut that one process would not do. A float32 stream: e = 4.
 
-Recomputation (--recompute): torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=True).
-The reentrant form keeps fn's inputs with save_for_backward, where the saved-tensor hooks that
-measure activations see them, runs fn without autograd, and in backward reruns it under the
-forward's autocast state and backpropagates through it (the non-reentrant form keeps its inputs
-outside autograd's saved tensors, where no hook counts them). full: each block is recomputed, its
-input alone kept. selective: attention's core (scores, mask, softmax, times V) is recomputed,
-q, k and v kept (Korthikanti et al. 2022): the part that grows with the sequence squared. No
-block here communicates in its forward, so recomputation adds no bytes, only a block's forward.
+Recomputation (--recompute): torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=True),
+which keeps fn's inputs with save_for_backward (the saved-tensor hooks that measure activations
+see them; the non-reentrant form keeps them where no hook counts), runs fn without autograd, and
+in backward reruns it under the forward's autocast state. full: each block, its input alone kept.
+selective: attention's core (scores, mask, softmax, times V, which grow with s^2), q, k, v kept
+(Korthikanti et al. 2022). No block communicates, so recomputing adds a forward, not bytes.
 
-Activations per rank (bytes autograd saves in a step's forward; b = --batch-size, s = --seq-len,
-h = --hidden, a = --heads, V = 128; parameters, buffers and autocast's bf16 copies of parameters
-left out; --json's activation_bytes_per_rank measures them): rank r with L_r blocks keeps
-  L_r x A_block + (r = 0) x (8bs + 8s) + (r = N-1) x A_head
-  A_block          fp32                        bf16
-  none             64bsh + 16bs + 4abs^2       36bsh + 16bs + 6abs^2
-  selective        64bsh + 16bs                36bsh + 16bs
-  full             4bsh                        2bsh
-  A_head           8bsh + 16bs + 4bsV + 4      6bsh + 16bs + 4bsV + 4
-fp32 none, per block: the two LayerNorms' inputs and outputs, q, k and v, the projection's input,
-the GELU's input and output (16bsh floats), the LayerNorms' mean and 1/std (4bs) and the
-softmax's output (abs^2). In bf16 the matmuls keep bf16 copies (2 bytes), the LayerNorms their
-float32 inputs, and the scores both the float32 softmax and its bf16 copy (6abs^2). 8bs + 8s: the
-token and position indices (int64); A_head: the last LayerNorm's input and output, the float32
-log-softmax (4bsV), the targets (8bs) and one float32 scalar.
+Activations per rank, the bytes autograd saves in a forward (b, s, h, a: --batch-size, --seq-len,
+--hidden, --heads; V = 128; parameters, buffers and their bf16 copies left out), measured in --json
+as activation_bytes_per_rank: L_r x A_block + (r = 0)(8bs + 8s) + (r = N-1) A_head, L_r: r's blocks
+  A_block: none     fp32 64bsh + 16bs + 4abs^2    bf16 36bsh + 16bs + 6abs^2
+           selective     64bsh + 16bs                  36bsh + 16bs
+           full          4bsh                          2bsh
+  A_head:               8bsh + 16bs + 4bsV + 4        6bsh + 16bs + 4bsV + 4
+fp32 per block: the LayerNorms' inputs and outputs, q, k, v, the projection's input, GELU's input
+and output (16bsh floats), mean and 1/std (4bs), the softmax (abs^2); bf16: the matmuls' inputs
+as bf16 copies, LayerNorms' float32 inputs, the softmax in float32 and a bf16 copy (6abs^2).
+8bs + 8s: token and position indices; A_head: LayerNorm in and out, log-softmax, targets, a scalar.
 
 When to choose it: the model, its gradients and optimizer state do not fit on one device, and
 simplicity matters more than speed; otherwise pipeline it (pipeline_parallel.py) or split each
@@ -113,10 +102,9 @@ STRATEGY = "model_parallel"
 # pipeline_parallel.py. Nothing here reorders a sum (0 measured at N = 1..4 on one machine), but
 # ranks with another thread count or device than the reference's could, as micro-batches do there.
 TOLERANCE = 2e-5
-# bf16 (the run and the reference both in bf16): 0 measured at N = 1..4 here too. What a thread
-# count can do: the reference at 1 and at 2 threads differed by 3.9e-4 after 5 steps of the default
-# model in bf16 (4.8e-7 in fp32): a float32 difference that moves a weight across a bf16 rounding
-# boundary changes its bf16 copy by 2^-8 of it. Ten times that.
+# bf16, both sides: 0 at N = 1..4 too; the reference at 1 and 2 threads differed by 3.9e-4 over 5
+# default steps (fp32: 4.8e-7): a weight's float32 rounding that crosses a bf16 boundary moves its
+# bf16 copy by 2^-8. Ten times that.
 TOLERANCE_BF16 = 4e-3
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
