@@ -39,9 +39,9 @@ def test_stages_hold_every_parameter_once(layers, n):
         assert all(torch.equal(p, q) for p, q in zip(alone.parameters(), s.parameters(), strict=True))
 
 
-def train_split(args, comm):
+def train_split(args, comm, saved=None):
     """The pieces main() uses, without the report: the losses (on every rank), this rank's stage,
-    and the timeline."""
+    and the timeline; `saved`, a list, receives this rank's SavedActivations and counted comm."""
     n, rank = comm.Get_size(), comm.Get_rank()
     device = torch.device("cpu")
     # A fair share of the cores for every rank of the job, not only of this sub-communicator.
@@ -49,20 +49,26 @@ def train_split(args, comm):
     timeline = mp.Timeline(device)
     stage = mp.build_stage(args, rank, n, device)
     optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-    shapes = mp.agree_shapes(stage, comm, args.batch_size, args.seq_len, device)
+    shapes = mp.agree_shapes(stage, comm, args.batch_size, args.seq_len, device, args.precision)
     counted = mp.CountedComm(comm, timeline)  # its waits sleep between polls, as in a run
-    losses = []
+    meter, losses = mp.SavedActivations(stage), []
     for step in range(args.steps):
         start = time.perf_counter()
         losses.append(mp.train_step(stage, optimizer, *mp.make_batch(args.seed, step, args.batch_size, args.seq_len),
-                                    shapes, counted, timeline))
+                                    shapes, counted, timeline, args.precision, meter))
         timeline.step_record(start)
+    if saved is not None:
+        saved += [meter, counted]
     return comm.bcast(losses, root=n - 1), stage, timeline
 
 
-def check_against_reference(comm, size):
+def limit(precision):
+    return mp.TOLERANCE_BF16 if precision == "bf16" else mp.TOLERANCE
+
+
+def check_against_reference(comm, size, precision="fp32"):
     for layers in sorted({size, 5}):  # divisible by the world size or not
-        args = mp.parse_args(TINY + ["--layers", str(layers)], size)
+        args = mp.parse_args(TINY + ["--layers", str(layers), "--precision", precision], size)
         losses, stage, _ = train_split(args, comm)
         reference = mp.reference_training(args)  # every rank's own, to compare without check()
         ref_stage = mp.stage_of(reference[1], comm.Get_rank(), size)
@@ -70,7 +76,7 @@ def check_against_reference(comm, size):
                    [(p - q).abs().max().item()
                     for p, q in zip(stage.parameters(), ref_stage.parameters(), strict=True)])
         diff = max_everywhere(diff, comm)
-        assert diff <= mp.TOLERANCE, (size, layers)
+        assert diff <= limit(precision), (size, layers)
         # check() finds the same largest difference, from rank 0's reference alone
         found = mp.check(comm, args, losses, stage, reference if comm.Get_rank() == 0 else None)
         assert agree(found == diff, comm), (found, diff)
@@ -78,20 +84,21 @@ def check_against_reference(comm, size):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
-def test_model_parallel_equals_single_process_training(size):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_model_parallel_equals_single_process_training(size, precision):
     with sub_comm(size) as comm:
         if comm is not None:
-            check_against_reference(comm, size)
+            check_against_reference(comm, size, precision)
 
 
-def nudged_checks(comm, size):
+def nudged_checks(comm, size, precision="fp32"):
     """What check() reports after each trained parameter in turn, then one loss, is moved by a
     little more than the tolerance (its last element: a check that skipped a parameter, a rank, the
     end of a stage or the losses would miss one)."""
-    args = mp.parse_args(TINY + ["--layers", "5"], size)
+    args = mp.parse_args(TINY + ["--layers", "5", "--precision", precision], size)
     losses, stage, _ = train_split(args, comm)
     reference = mp.reference_training(args) if comm.Get_rank() == 0 else None
-    nudge = 1.5 * mp.TOLERANCE
+    nudge = 1.5 * limit(precision)
     found = {"none": mp.check(comm, args, losses, stage, reference)}
     counts = comm.allgather(len(list(stage.parameters())))
     for owner, count in enumerate(counts):
@@ -111,14 +118,68 @@ def nudged_checks(comm, size):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("size", [1, 4])
-def test_check_reports_every_nudged_parameter_and_loss(size):
+@pytest.mark.parametrize("size, precision", [(1, "fp32"), (4, "fp32"), (4, "bf16")])
+def test_check_reports_every_nudged_parameter_and_loss(size, precision):
     with sub_comm(size) as comm:
         if comm is not None:
-            found, params = nudged_checks(comm, size)
-            assert agree(found.pop("none") <= mp.TOLERANCE, comm)
-            missed = [key for key, diff in found.items() if not diff > mp.TOLERANCE]
+            found, params = nudged_checks(comm, size, precision)
+            assert agree(found.pop("none") <= limit(precision), comm)
+            missed = [key for key, diff in found.items() if not diff > limit(precision)]
             assert agree(not missed and len(found) == params + 1, comm), missed
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_boundary_gradient_divided_by_n_fails_the_bf16_check(plant, monkeypatch):
+    """The planted bug: every gradient a stage receives from the next one is divided by N before its
+    backward (the last stage's loss.backward() takes none), so the earlier stages learn at half the
+    rate at N = 2. check() in bf16 must report it above TOLERANCE_BF16; unplanted it passes."""
+    if plant:
+        backward = torch.Tensor.backward
+        monkeypatch.setattr(torch.Tensor, "backward", lambda self, gradient=None, *rest, **kw: backward(
+            self, None if gradient is None else gradient / 2, *rest, **kw))
+    with sub_comm(2) as comm:
+        if comm is not None:
+            args = mp.parse_args(TINY + ["--layers", "4", "--precision", "bf16"], 2)
+            losses, stage, _ = train_split(args, comm)
+            diff = mp.check(comm, args, losses, stage)
+            assert agree(diff > mp.TOLERANCE_BF16 if plant else diff <= mp.TOLERANCE_BF16, comm), diff
+
+
+def skip_full_recomputation(monkeypatch):
+    """A planted bug for the meter to see: --recompute full that keeps every activation."""
+    monkeypatch.setattr(mp.Block, "forward", lambda self, x: self.layers(x))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recomputation_keeps_the_docstrings_activation_bytes_and_the_same_losses(precision, monkeypatch):
+    """At N = 3 with 4 blocks (2, 1, 1: rank 0 with the embeddings, rank 2 with the head and loss):
+    what autograd saved in a step's forward, measured, equals activation_bytes() on every rank for
+    none, selective and full; selective < none and full < selective; the losses equal those without
+    recomputation (bit for bit in fp32, within TOLERANCE_BF16 in bf16); the activations cross in the
+    precision's dtype, 2(N-1) x B x T x H x e bytes counted. Then full with its recomputation
+    planted away: the measure exceeds the formula."""
+    with sub_comm(3) as comm:
+        if comm is not None:
+            rank, runs = comm.Get_rank(), {}
+            for recompute in ("none", "selective", "full", "planted"):
+                if recompute == "planted":
+                    skip_full_recomputation(monkeypatch)
+                args = mp.parse_args(TINY + ["--layers", "4", "--precision", precision, "--recompute",
+                                             recompute.replace("planted", "full")], 3)
+                saved = []
+                losses, _, _ = train_split(args, comm, saved)
+                runs[recompute] = losses, saved[0].bytes, mp.activation_bytes(args, rank, 3), saved[1]
+            e = 2 if precision == "bf16" else 4
+            none, selective, full, planted = (runs[k] for k in ("none", "selective", "full", "planted"))
+            ok = all(measured == formula for _, measured, formula, _ in (none, selective, full))
+            ok = ok and full[1] < selective[1] < none[1] and planted[1] > planted[2]
+            same = (lambda a, b: a == b) if precision == "fp32" else (lambda a, b: max(abs(x - y) for x, y in zip(a, b)) <= mp.TOLERANCE_BF16)
+            ok = ok and same(selective[0], none[0]) and same(full[0], none[0])
+            sent = comm.allreduce(none[3].bytes["Isend"])
+            ok = ok and sent == 3 * 2 * 2 * 6 * 8 * 16 * e  # 3 steps x 2(N-1) messages x B T H e
+            assert agree(ok, comm), {k: v[:3] for k, v in runs.items()}
 
 
 @pytest.mark.mpi
