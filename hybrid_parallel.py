@@ -47,6 +47,13 @@ batch; an axis of size 1 moves nothing):
             2 backward (f), the embedding's g, the head's f, 3 for the loss);
             T x [(4L + 2) x A + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
+  ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each
+            bucket (still posted in backward) and an Allgather of the updated parameters after the step:
+            2 collectives per bucket, 4W' x (D x C + 1) bytes, W' = W with each bucket padded to a multiple
+            of D x C; rank r of the D x C steps only slice r of each bucket, and keeps its momentum alone.
+Memory per rank, float32, W_r its stage's parameters (its share of the T-way split): weights 4W_r,
+  gradients 4W_r, momentum 4W_r (--zero-stage 1: 4W_r'/(D x C), W_r' padded as above); activations of
+  up to min(M, P - s) micro-batches in flight on stage s (1F1B), each b x S/C positions.
 
 When to choose it: the model outgrows one node, or the sequence one device's memory. Tensor inside a
 node, context next (long sequences), the pipeline across nodes, data parallelism over the replicas
@@ -92,7 +99,9 @@ STRATEGY = "hybrid_parallel"
 # every grid of 1, 2 and 4 ranks stayed within 4.8e-7 to 7.2e-7 in losses and parameters (--tp 4
 # the most), --pp 2 --dp 2 --tp 2 on 8 ranks within 5.4e-7: the level of tensor_parallel.py and
 # pipeline_parallel.py, whose 2e-5 this keeps (a 10 x 2e-5 nudge of one weight must show). Ring
-# attention's merges reorder more: --cp 4 (hidden 32, 16 positions, 30 steps) 7.7e-7 zigzag, 7.2e-7 contiguous.
+# attention's merges reorder more (hidden 32, 16 positions, 30 steps): --cp 4 7.7e-7 zigzag, 7.2e-7
+# contiguous; --cp 2 with --tp 2 7.7e-7 / 1.2e-6, with --pp 2 8.3e-7, with --dp 2 6.6e-7 / 1.2e-6 (zigzag /
+# contiguous); ZeRO-1 --dp 4 7.7e-7, --dp 2 --cp 2 contiguous 8.0e-7.
 TOLERANCE = 2e-5
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
@@ -550,10 +559,12 @@ class GradBuckets:
     """PyTorch DDP's reducer in miniature. Buckets follow reverse registration order, the order in
     which backward produces gradients. During the step's last backward (after it, a gradient holds
     all M micro-batches), a post-accumulate-grad hook counts a bucket's gradients and starts its
-    non-blocking allreduce the moment the last one is in; finish() waits and divides by D."""
+    non-blocking allreduce the moment the last one is in; finish() waits and divides by the N = D x C
+    ranks. zero=True (ZeRO-1): a reduce-scatter instead, so that rank r receives only the sum of slice
+    r of each bucket (padded to a multiple of N), left in self.shards for ShardedSGD to step."""
 
-    def __init__(self, params, comm, bucket_bytes):
-        self.comm, self.buckets, size = comm, [[]], 0
+    def __init__(self, params, comm, bucket_bytes, zero=False):
+        self.comm, self.buckets, self.zero, size = comm, [[]], zero and comm.Get_size() > 1, 0
         for p in reversed(list(params)):
             if size >= bucket_bytes:
                 self.buckets.append([])
@@ -561,6 +572,9 @@ class GradBuckets:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        n = comm.Get_size()
+        self.padded = [-(-sum(p.numel() for p in b) // n) * n for b in self.buckets]  # a multiple of N
+        self.shards = [None] * len(self.buckets)  # ZeRO-1: this rank's slice of each bucket's averaged gradient
         self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
         # The report's marks, not the strategy's: how many gradients the last backward has computed
         # (a hook of its own, first on each parameter), and that number as each allreduce was posted.
@@ -585,8 +599,16 @@ class GradBuckets:
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
             flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
-            buffer = mpi_buffer(flat, nonblocking=True)
-            self.pending.append((i, flat, buffer, self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)))
+            if self.zero:  # each rank receives the sum of its own slice: 1/N of the bucket
+                flat = F.pad(flat, (0, self.padded[i] - flat.numel()))
+                shard = flat.new_empty(self.padded[i] // self.comm.Get_size())
+                buffer = mpi_buffer(shard, nonblocking=True, send=False)
+                request = self.comm.Ireduce_scatter_block(mpi_buffer(flat, nonblocking=True), buffer, op=MPI.SUM)
+                flat = shard
+            else:
+                buffer = mpi_buffer(flat, nonblocking=True)
+                request = self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+            self.pending.append((i, flat, buffer, request))
             self.posted_at.append(self.computed)
         for *_, request in self.pending:
             request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
@@ -600,10 +622,54 @@ class GradBuckets:
         for i, flat, buffer, request in self.pending:
             request.Wait()
             flat = from_mpi(flat, buffer) / self.comm.Get_size()
+            if self.zero:
+                self.shards[i] = flat
+                continue
             offset = 0
             for p in self.buckets[i]:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
+
+
+class ShardedSGD:
+    """ZeRO stage 1 (Megatron's distributed optimizer) over the N = D x C ranks of comm: rank r keeps
+    the momentum of slice r of each bucket only, 1/N of it. Its step: SGD on the slice (the parameters'
+    slice, the gradient's from the reduce-scatter), then an Allgather of every rank's updated slice
+    into the bucket's parameters, so that every rank holds them all again for the next forward."""
+
+    def __init__(self, buckets, lr):
+        self.buckets, comm = buckets, buckets.comm
+        self.slices = [nn.Parameter(torch.zeros(n // comm.Get_size(), device=b[0].device))
+                       for n, b in zip(buckets.padded, buckets.buckets)]
+        self.inner = torch.optim.SGD(self.slices, lr=lr, momentum=0.9)  # torch's own step, on slices
+
+    def zero_grad(self, set_to_none=False):
+        for p in self.buckets.bucket_of:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def step(self):
+        comm, r = self.buckets.comm, self.buckets.comm.Get_rank()
+        for piece, bucket, grad, n in zip(self.slices, self.buckets.buckets, self.buckets.shards, self.buckets.padded):
+            flat = F.pad(torch.cat([p.detach().reshape(-1) for p in bucket]), (0, n - sum(p.numel() for p in bucket)))
+            piece.data.copy_(flat.view(comm.Get_size(), -1)[r])  # the parameters' slice: float32, as the master
+            piece.grad = grad
+        self.inner.step()
+        for piece, bucket, n in zip(self.slices, self.buckets.buckets, self.buckets.padded):
+            whole = piece.new_empty(n)
+            buffer = mpi_buffer(whole, send=False)
+            comm.Allgather(mpi_buffer(piece.detach()), buffer)
+            whole, offset = from_mpi(whole, buffer), 0
+            with torch.no_grad():
+                for p in bucket:
+                    p.copy_(whole[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
 
 
 # -----------------------------------------------------------------------------
@@ -800,7 +866,8 @@ def global_losses(comm, losses, reports, shares):
 
 def shard_config(args):
     """What a checkpoint's shards belong to: the grid that cut them, and the model."""
-    return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "layout": args.layout}, "model": "GPT", "layers": args.layers,
+    return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "layout": args.layout,
+                     "zero_stage": args.zero_stage}, "model": "GPT", "layers": args.layers,
             "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
 
 
@@ -819,8 +886,9 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         axes = make_grid(comm, args.pp, args.dp, args.cp, args.tp)
         counted = {axis: CountedComm(c, run.timeline) for axis, c in axes.items()}
         stage = build_stage(args, counted, run.device)
-        optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-        buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+        buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20, args.zero_stage == 1)
+        optimizer = ShardedSGD(buckets, args.lr) if buckets.zero else \
+            torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
         past, resumed = [], None
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
@@ -906,20 +974,22 @@ def print_header(comm, args, run, stage, buckets, resumed):
            f"{args.seq_len // C} positions a rank) | schedule 1f1b, dry run of every rank's actions on the "
            f"grid: each send meets its receive, each group meets in its collectives, no deadlock",
            f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: "
-           f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB")
+           f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB" + (f" | ZeRO-1: each rank steps 1/{D * C} "
+           f"of every bucket (its momentum alone), all-gathers the rest" if buckets.zero else ""))
 
 def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
     P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
     measured = per_axis(comm, counted, max(1, len(records)))
     formula = formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
-                       comm.allgather(len(buckets.buckets)))
+                       comm.allgather(len(buckets.buckets)), comm.allgather(sum(buckets.padded)))
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
     theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
     pipeline = [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
     slots = max(e for row in pipeline for _, _, e in row)
     text = {"pipeline": ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x 4BSh"),
-            "data": ("allreduces: one per bucket per (pp, tp) group", "D x C x 4W"),
+            "data": ("allreduces: one per bucket per (pp, tp) group", "D x C x 4W") if not buckets.zero else
+                    ("reduce-scatters and all-gathers: one each per bucket per (pp, tp) group", "4W' x (D x C + 1)"),
             "context": ("messages L x M x D x C x T x (3C - 2)", "L x (3C - 2) x 8BSh"),
             "tensor": ("allreduces D x C x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]")}
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
@@ -935,7 +1005,8 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
         "comm_bytes_per_step": sum(m[2] for m in measured.values()),
         "collectives_per_step": sum(m[0] for m in measured.values()),
-        "grid": {"pp": P, "dp": D, "cp": C, "tp": T}, "layout": args.layout, "micro_batches": M, "layer_split": layer_split(args.layers, P),
+        "grid": {"pp": P, "dp": D, "cp": C, "tp": T}, "layout": args.layout, "zero_stage": args.zero_stage,
+        "micro_batches": M, "layer_split": layer_split(args.layers, P),
         "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
         "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
         "messages_per_step": measured["pipeline"][1],
@@ -966,22 +1037,25 @@ def per_axis(comm, counted, steps_run):
     counted once per group: its calls summed over the ranks, divided by the group's size."""
     out = {}
     for axis, c in counted.items():
-        calls = comm.allreduce(c.calls["Allreduce"] + c.calls["Iallreduce"]) / c.Get_size()
-        volume = comm.allreduce(c.bytes["Allreduce"] + c.bytes["Iallreduce"] + c.bytes["Isend"] + c.bytes["Sendrecv"])
+        collectives = ("Allreduce", "Iallreduce", "Ireduce_scatter_block", "Allgather")
+        calls = comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
+        volume = comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
         messages = comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
         out[axis] = (calls / steps_run, messages / steps_run, volume / steps_run)
     return out
 
-def formulas(args, stage_params, stage_buckets):
+def formulas(args, stage_params, stage_buckets, stage_padded):
     """The docstring's formulas by axis: (collectives, messages, bytes) per step over the grid.
-    stage_params, stage_buckets: every rank's count of parameters and of gradient buckets."""
+    stage_params, stage_buckets, stage_padded: every rank's count of parameters, of gradient buckets,
+    and of the buckets' elements padded to a multiple of D x C (ZeRO-1's slices)."""
     P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
     L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
-    activation, replicated = 4 * B * S * h, S * h + 6 * L * h + 2 * h
+    activation, replicated, zero = 4 * B * S * h, S * h + 6 * L * h + 2 * h, args.zero_stage == 1 and D * C > 1
     W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
     assert sum(stage_params) == D * C * W  # what the ranks hold, added up
     return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * T * activation),
-            "data": (sum(stage_buckets) // (D * C) * (D * C > 1), 0, D * C * 4 * W * (D * C > 1)),
+            "data": ((sum(stage_buckets) // (D * C) * (D * C > 1), 0, D * C * 4 * W * (D * C > 1)) if not zero else
+                     (2 * sum(stage_buckets) // (D * C), 0, 4 * sum(stage_padded) + 4 * sum(stage_padded) // (D * C))),
             "context": (0, L * M * D * C * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
             "tensor": (D * C * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))}
 
@@ -1011,6 +1085,8 @@ def parse_args(argv, world_size):
     p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
                    "up to 4, that it splits into)")
     p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded "
+                   "over the D x C ranks of equal (pp, tp) (ZeRO-1: reduce-scatter, step a slice, all-gather)")
     args = check_common(p.parse_args(argv))
     if args.precision != "fp32" or args.recompute != "none":
         raise ConfigError(f"--precision {args.precision} --recompute {args.recompute}: hybrid_parallel.py offers "

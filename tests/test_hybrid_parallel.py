@@ -185,7 +185,7 @@ def start_buckets_after_backward(buckets):
     buckets.start, buckets.finish = (lambda: None), late_finish
 
 
-def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False):
+def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False, plant=None):
     """The pieces main() uses, without the report: (losses, max |diff| from the check, measured
     and formula counts per axis, the communicators' members as world ranks, the overlap counts of
     the last step, the Tests each send got, every rank's count of buckets)."""
@@ -197,8 +197,11 @@ def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False):
     timeline = hp.Timeline(CPU)
     counted = {axis: hp.CountedComm(c, timeline) for axis, c in hp.make_grid(comm, pp, dp, cp, tp).items()}
     stage = hp.build_stage(args, counted, CPU)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-    buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+    buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20, args.zero_stage == 1)
+    optimizer = hp.ShardedSGD(buckets, args.lr) if buckets.zero else \
+        torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    if plant:
+        plant(optimizer)
     sends = watch_sends(counted["pipeline"], wait_at_once=remove_overlap)
     if remove_overlap:
         start_buckets_after_backward(buckets)
@@ -206,11 +209,11 @@ def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False):
     overlap = hp.overlap_counts(comm, timeline.step_events, args.micro_batches, buckets)
     measured = hp.per_axis(comm, counted, args.steps)
     formula = hp.formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
-                          comm.allgather(len(buckets.buckets)))
+                          comm.allgather(len(buckets.buckets)), comm.allgather(sum(buckets.padded)))
     members = [c.comm.allgather(world().Get_rank()) for c in counted.values()]
     diff = hp.check(comm, args, CPU, losses, stage, counted)
     return losses, diff, measured, formula, members, overlap, [r.tests for r in sends], \
-        comm.allgather(len(buckets.buckets))
+        comm.allgather(len(buckets.buckets)), optimizer
 
 
 def promised_overlap(pp, dp, cp, tp, m, buckets):
@@ -224,7 +227,7 @@ def promised_overlap(pp, dp, cp, tp, m, buckets):
 
 
 def assert_trains_like_one_process(comm, pp, dp, cp, tp, extra=()):
-    losses, diff, measured, formula, members, overlap, tests, buckets = train_on(comm, pp, dp, cp, tp, extra)
+    losses, diff, measured, formula, members, overlap, tests, buckets, _ = train_on(comm, pp, dp, cp, tp, extra)
     assert max_everywhere(diff, comm) <= hp.TOLERANCE, (pp, dp, cp, tp, diff)
     assert agree(losses[-1] < losses[0], comm)
     exact = all(measured[a] == formula[a] for a in measured)
@@ -269,6 +272,35 @@ def test_the_contiguous_layout_trains_like_one_process_and_moves_what_zigzag_mov
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(1, 4, 1, 1, []), (1, 2, 2, 1, ["--layout", "contiguous"]),
+                                               (2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)]), (1, 2, 1, 2, [])])
+def test_zero_1_trains_like_one_process_with_a_slice_of_the_momentum_on_each_rank(pp, dp, cp, tp, extra):
+    """ZeRO-1 over the D x C ranks: the same check and byte formulas as without it (a reduce-scatter
+    and an all-gather per bucket in place of an allreduce), and each rank's momentum is 1/(D x C) of
+    its buckets, padded."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--zero-stage", "1", *extra])
+            *_, optimizer = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
+            kept = sum(s["momentum_buffer"].numel() for s in optimizer.state_dict()["state"].values())
+            assert agree(kept == sum(optimizer.buckets.padded) // (dp * cp), comm)
+
+
+def skip_the_all_gather(optimizer):
+    """A planted bug: the all-gather replaced by copies of this rank's own slice, so that the updates
+    of the other slices never arrive."""
+    optimizer.buckets.comm.Allgather = lambda send, recv: recv[:].copy_(torch.cat([send] * (len(recv) // len(send))))
+
+
+@pytest.mark.mpi
+def test_zero_1_without_its_all_gather_fails_the_check():
+    with sub_comm(2) as comm:
+        if comm is not None:
+            diff = train_on(comm, 1, 2, 1, 1, ["--zero-stage", "1"], plant=skip_the_all_gather)[1]
+            assert max_everywhere(diff, comm) > 10 * hp.TOLERANCE
+
+
+@pytest.mark.mpi
 def test_small_buckets_give_one_allreduce_per_bucket():
     with sub_comm(4) as comm:
         if comm is not None:  # 2 KB buckets: several per rank, each one allreduce, all but the last posted before a later gradient
@@ -281,7 +313,7 @@ def test_the_overlap_counts_fall_when_the_overlap_is_removed():
     no bucket is posted before a later gradient and no send stays in flight while the rank computes."""
     with sub_comm(4) as comm:
         if comm is not None:
-            _, diff, *_, overlap, _, buckets = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
+            _, diff, *_, overlap, _, buckets, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
                                                         remove_overlap=True)
             assert max_everywhere(diff, comm) <= hp.TOLERANCE
             promised = promised_overlap(2, 2, 1, 1, 2, buckets)
@@ -340,30 +372,39 @@ E2E = ["--layers", "3", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--b
 
 
 @pytest.mark.e2e
-def test_2x2x2_on_eight_ranks_staged_through_host_copies_passes_its_check_and_counts_match(tmp_path):
-    """STAGE_ALL=1 (tests/inject.py): every buffer handed to MPI is a host copy, as on a GPU whose MPI
-    cannot read its memory, so that the check proves every copy back on all three axes."""
-    out = launch("hybrid_parallel.py", 8, *E2E, "--pp", 2, "--dp", 2, "--tp", 2, "--steps", 3, "--json",
-                 "--trace", tmp_path / "trace.json", timeout=400, env=clean_env(STAGE_ALL=1))
+@pytest.mark.parametrize("grid", [{"pp": 1, "dp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 1, "cp": 2, "tp": 2},
+                                  {"pp": 2, "dp": 2, "cp": 2, "tp": 1, "zero-stage": 1}])
+def test_triples_on_eight_ranks_staged_through_host_copies_pass_their_check_and_counts_match(tmp_path, grid):
+    """Three axes at once on 8 ranks: data x context x tensor, pipeline x context x tensor, pipeline x
+    data x context with ZeRO-1. STAGE_ALL=1 (tests/inject.py): every buffer handed to MPI is a host
+    copy, as on a GPU whose MPI cannot read its memory, so that the check proves every copy back."""
+    flags = [x for axis, size in grid.items() for x in (f"--{axis}", size)]
+    out = launch("hybrid_parallel.py", 8, *E2E, *flags, "--steps", 3, "--json", "--trace", tmp_path / "trace.json",
+                 timeout=400, env=clean_env(STAGE_ALL=1))
     result = last_json(out)
-    assert result["grid"] == {"pp": 2, "dp": 2, "cp": 1, "tp": 2} and result["world_size"] == 8
+    pp, dp, cp, tp = (grid[a] for a in ("pp", "dp", "cp", "tp"))
+    assert result["grid"] == {"pp": pp, "dp": dp, "cp": cp, "tp": tp} and result["world_size"] == 8
+    assert result["zero_stage"] == grid.get("zero-stage", 0)
     assert result["check_max_abs_diff"] <= hp.TOLERANCE and "-> PASS" in out.stdout
     formula = result["formula_by_axis"]
-    for axis in ("pipeline", "data", "tensor"):
-        assert result["comm_bytes_per_step_by_axis"][axis] == formula[axis]["bytes"] > 0
+    assert set(result["comm_bytes_per_step_by_axis"]) == set(formula) == {"pipeline", "data", "context", "tensor"}
+    for axis, size in (("pipeline", pp), ("data", dp * cp), ("context", cp), ("tensor", tp)):
+        assert result["comm_bytes_per_step_by_axis"][axis] == formula[axis]["bytes"]
+        assert (formula[axis]["bytes"] > 0) == (size > 1), axis
         assert result["collectives_per_step_by_axis"][axis] == formula[axis]["collectives"]
-    assert result["collectives_per_step_by_axis"]["tensor"] == 2 * 2 * (4 * 3 + 5)  # D x M x (4L + 5)
-    assert result["messages_per_step"] == 2 * 2 * 1 * 2 * 2  # 2M(P-1) x D x T
-    assert result["bubble_fraction_theory"] == pytest.approx(1 / 3)
-    assert result["overlap"] == promised_overlap(2, 2, 1, 2, 2, [1] * 8)  # one 25 MB bucket a rank
+    assert result["collectives_per_step_by_axis"]["tensor"] == dp * cp * 2 * (4 * 3 + 5) * (tp > 1)  # D x C x M x (4L + 5)
+    assert result["messages_per_step"] == 2 * 2 * (pp - 1) * dp * cp * tp  # 2M(P-1) x D x C x T
+    assert result["overlap"] == promised_overlap(pp, dp, cp, tp, 2, [1] * 8)  # one 25 MB bucket a rank
     assert len(result["peak_memory_bytes_per_rank"]) == 8
-    assert "(pp, dp, cp, tp) 0:(0, 0, 0, 0) 1:(0, 0, 0, 1) 2:(0, 1, 0, 0) 3:(0, 1, 0, 1) 4:(1, 0, 0, 0)" in out.stdout
     assert (tmp_path / "trace.json").exists()
+    if grid == {"pp": 1, "dp": 2, "cp": 2, "tp": 2}:
+        assert "(pp, dp, cp, tp) 0:(0, 0, 0, 0) 1:(0, 0, 0, 1) 2:(0, 0, 1, 0) 3:(0, 0, 1, 1) 4:(0, 1, 0, 0)" in out.stdout
 
 
 @pytest.mark.e2e
 def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
-    grid = ["--pp", 2, "--dp", 1, "--tp", 2]
+    """On a grid of pipeline, context and ZeRO-1 (each rank's checkpoint holds its slice of the momentum)."""
+    grid = ["--pp", 2, "--dp", 1, "--cp", 2, "--tp", 1, "--zero-stage", 1]
     run = [*E2E, "--steps", 4, "--save-every", 2, "--save", tmp_path, "--no-check", "--json"]
     whole = last_json(launch("hybrid_parallel.py", 4, *run, *grid))
     final = {f.name: torch.load(f, weights_only=True) for f in sorted((tmp_path / "step-000004").glob("*.pt"))}
@@ -378,9 +419,9 @@ def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
         moment = [s["momentum_buffer"] for s in final[name]["optimizer"]["state"].values()]
         assert all(torch.equal(a, s["momentum_buffer"]) for a, s in
                    zip(moment, again[name]["optimizer"]["state"].values()))
-    other = launch("hybrid_parallel.py", 4, *run, "--steps", 6, "--pp", 2, "--dp", 2, "--tp", 1, "--resume",
-                   timeout=120)
-    assert_refused(other, "'grid': {'pp': 2, 'dp': 1, 'cp': 1, 'tp': 2")
+    other = launch("hybrid_parallel.py", 4, *run, "--steps", 6, "--pp", 2, "--dp", 2, "--tp", 1, "--zero-stage", 1,
+                   "--resume", timeout=300)
+    assert_refused(other, "'grid': {'pp': 2, 'dp': 1, 'cp': 2, 'tp': 1, 'layout': 'zigzag', 'zero_stage': 1}")
 
 
 @pytest.mark.e2e
