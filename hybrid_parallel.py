@@ -11,7 +11,9 @@ written (pp, dp, cp, tp) throughout, the axis that varies slowest first:
                 by ring: the K/V blocks go round the C ranks, merged by the softmax's log-sum-exp
                 (Liu et al. 2023), the only layer that needs another rank's positions;
   tensor (T):   within a stage every weight matrix split over T ranks: Megatron's f and g, column- and
-                row-parallel linears, the vocabulary-parallel embedding and cross-entropy (Shoeybi 2019).
+                row-parallel linears, the vocabulary-parallel embedding and cross-entropy (Shoeybi 2019);
+                --sequence-parallel also cuts the S/C positions over the T ranks between those layers
+                (LayerNorms, residuals): f and g become all-gather and reduce-scatter (Korthikanti 2022).
 The D x C ranks of equal (pp, tp) hold the same weights and saw different tokens: one gradient
 allreduce averages over all of them (Megatron's data-parallel group with context parallelism).
 
@@ -46,6 +48,9 @@ batch; an axis of size 1 moves nothing):
   tensor:   D x C x M x (4L + 5) allreduces (per micro-batch and (dp, cp): 2 per block forward (g),
             2 backward (f), the embedding's g, the head's f, 3 for the loss);
             T x [(4L + 2) x A + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
+  tensor, --sequence-parallel: D x C x M x (14L + 10) collectives, (4L + 2)(T + 1) x A + 12BST +
+            4MDCT(Sh + 6Lh + 2h) bytes: per block 2 all-gathers and 2 reduce-scatters each way, and per
+            micro-batch an allreduce of each replicated parameter's gradient; the pipeline's bytes fall to 2(P - 1) x A.
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
   ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each
             bucket (still posted in backward) and an Allgather of the updated parameters after the step:
@@ -94,14 +99,12 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "hybrid_parallel"
-# Largest |difference| allowed against single-process training (float32). Row-parallel partial
-# sums, micro-batches and replicas reorder float32 sums: over 30 steps (5 blocks, hidden 32, M = 2)
-# every grid of 1, 2 and 4 ranks stayed within 4.8e-7 to 7.2e-7 in losses and parameters (--tp 4
-# the most), --pp 2 --dp 2 --tp 2 on 8 ranks within 5.4e-7: the level of tensor_parallel.py and
-# pipeline_parallel.py, whose 2e-5 this keeps (a 10 x 2e-5 nudge of one weight must show). Ring
-# attention's merges reorder more (hidden 32, 16 positions, 30 steps): --cp 4 7.7e-7 zigzag, 7.2e-7
-# contiguous; --cp 2 with --tp 2 7.7e-7 / 1.2e-6, with --pp 2 8.3e-7, with --dp 2 6.6e-7 / 1.2e-6 (zigzag /
-# contiguous); ZeRO-1 --dp 4 7.7e-7, --dp 2 --cp 2 contiguous 8.0e-7.
+# Largest |difference| allowed against single-process training (float32), measured over 30 steps (5 blocks,
+# hidden 32, M = 2): every grid of 1, 2 and 4 ranks of data, tensor and pipeline within 4.8e-7 to 7.2e-7
+# (--tp 4 the most), 2 x 2 x 2 on 8 ranks 5.4e-7; ring attention's merges (16 positions): --cp 4 7.7e-7
+# zigzag, 7.2e-7 contiguous; --cp 2 with --tp 2 7.7e-7 / 1.2e-6, with --pp 2 8.3e-7, with --dp 2 6.6e-7 /
+# 1.2e-6 (zigzag / contiguous); ZeRO-1 --dp 4 7.7e-7, --dp 2 --cp 2 contiguous 8.0e-7. The 2e-5 of
+# tensor_parallel.py and pipeline_parallel.py kept: a 10 x 2e-5 nudge of one weight must show.
 TOLERANCE = 2e-5
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
@@ -202,6 +205,53 @@ class g(torch.autograd.Function):
         return dy, None
 
 
+def gather_sequence(x, comm):
+    """b x s x h on each of the T ranks -> b x Ts x h, rank t's positions at [ts, (t+1)s)."""
+    x = x.detach().contiguous()
+    every = x.new_empty((comm.Get_size(), *x.shape))
+    buffer = mpi_buffer(every, send=False)
+    comm.Allgather(mpi_buffer(x), buffer)
+    return from_mpi(every, buffer).transpose(0, 1).flatten(1, 2)
+
+
+def scatter_sequence(x, comm):
+    """b x Ts x h partial sums on each rank -> b x s x h: the sum over the ranks of rank t's positions."""
+    b, n, h, size = *x.shape, comm.Get_size()
+    pieces = x.detach().reshape(b, size, n // size, h).transpose(0, 1).contiguous()
+    mine = x.new_empty((b, n // size, h))
+    buffer = mpi_buffer(mine, send=False)
+    comm.Reduce_scatter_block(mpi_buffer(pieces), buffer, op=MPI.SUM)
+    return from_mpi(mine, buffer)
+
+
+class GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's f (Korthikanti et al. 2022): before a column-parallel layer, all-gather
+    the T ranks' pieces of the sequence; backward, reduce-scatter: each keeps its positions' sum."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return gather_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return scatter_sequence(dy, ctx.comm), None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """Sequence parallelism's g: after a row-parallel layer, reduce-scatter the partial sums, so that
+    each rank holds the whole sum for its piece of the sequence; backward, all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return scatter_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return gather_sequence(dy, ctx.comm), None
+
+
 def shard(t, dim, comm, groups=1, padded=None):
     """This rank's slice of t along dim, as a parameter. groups=3: t is q, k, v side by side and
     the rank keeps the same slice of each (its heads). padded: zero rows first, up to that size."""
@@ -209,7 +259,9 @@ def shard(t, dim, comm, groups=1, padded=None):
     if padded is not None and padded > t.size(dim):
         t = torch.cat([t, t.new_zeros(t.shape[:dim] + (padded - t.size(dim),) + t.shape[dim + 1:])], dim)
     rank, size = comm.Get_rank(), comm.Get_size()
-    return nn.Parameter(torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone())
+    param = nn.Parameter(torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone())
+    param.sliced = True  # a slice: its gradient is this rank's own (the others are whole on every rank)
+    return param
 
 
 class ColumnParallelLinear(nn.Module):
@@ -217,12 +269,13 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, full, comm, groups=1, padded=None):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, False  # True: X comes cut along the sequence
         self.weight = shard(full.weight, 0, comm, groups, padded)
         self.bias = None if full.bias is None else shard(full.bias, 0, comm, groups, padded)
 
     def forward(self, x):
-        return F.linear(f.apply(x, self.comm), self.weight, self.bias)
+        x = GatherSequence.apply(x, self.comm) if self.sequence_parallel else f.apply(x, self.comm)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -231,12 +284,13 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, full, comm):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, False  # True: Y leaves cut along the sequence
         self.weight = shard(full.weight, 1, comm)
         self.bias = nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x):
-        return g.apply(F.linear(x, self.weight), self.comm) + self.bias
+        sum_ = ScatterSequence if self.sequence_parallel else g
+        return sum_.apply(F.linear(x, self.weight), self.comm) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -245,14 +299,15 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, full, comm, padded):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, False  # True: the sum leaves cut along the sequence
         self.weight = shard(full.weight, 0, comm, padded=padded)
         self.start = comm.Get_rank() * self.weight.size(0)
 
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.start + self.weight.size(0))
         rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
-        return g.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
+        sum_ = ScatterSequence if self.sequence_parallel else g
+        return sum_.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -301,7 +356,7 @@ class Stage(nn.Module):
     """Blocks [lo, hi) of the full model, with the embedding on the first stage and the final
     norm and head on the last, every matrix sharded over the tensor-parallel communicator."""
 
-    def __init__(self, model, lo, hi, first, last, comm, ring=None, where=None):
+    def __init__(self, model, lo, hi, first, last, comm, ring=None, where=None, sequence_parallel=False):
         super().__init__()
         self.first, self.last, self.hidden, self.where = first, last, model.norm.normalized_shape[0], where
         padded = padded_vocab(comm.Get_size())
@@ -312,6 +367,18 @@ class Stage(nn.Module):
             block.ring = ring
         if last:
             self.norm, self.out = model.norm, ColumnParallelLinear(model.out, comm, padded=padded)
+        # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T
+        # ranks holds S/(C T) positions, so the f and g around them gather and scatter the sequence, and
+        # a parameter held whole on every rank (a LayerNorm, a row-parallel bias, the positions) gets the
+        # gradient of this rank's positions alone: a hook sums it over the T ranks as it is computed
+        # (each micro-batch; Megatron sums these once a step, after the last).
+        self.cut = comm.Get_size() if sequence_parallel else 1  # a piece of the sequence per rank
+        for layer in self.modules():
+            if hasattr(layer, "sequence_parallel"):
+                layer.sequence_parallel = sequence_parallel
+        for p in self.parameters() if sequence_parallel else ():
+            if not getattr(p, "sliced", False):
+                p.register_hook(functools.partial(allreduce, comm=comm))
 
     def forward(self, x):
         if self.first:  # this rank's global positions, wherever the layout put them
@@ -681,7 +748,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
     summed), elsewhere 0."""
     s, last_stage = pp_comm.Get_rank(), pp_comm.Get_size() - 1
     xs, ys = x.chunk(m), y.chunk(m)
-    shape = (xs[0].size(0), xs[0].size(1), stage.hidden)  # an activation, or its gradient
+    shape = (xs[0].size(0), xs[0].size(1) // stage.cut, stage.hidden)  # an activation, or its gradient
     inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
     last_backward = max(k for k, a in enumerate(actions) if a.op == "backward")
     optimizer.zero_grad(set_to_none=False)
@@ -799,8 +866,10 @@ def build_stage(args, axes, device, model=None):
     lo, hi = layer_split(args.layers, pp)[s]
     positions = shard_positions(args.seq_len, cp.Get_size(), args.layout)
     ring = Ring(cp, positions, device) if cp.Get_size() > 1 else None
+    where = positions[cp.Get_rank()]  # with --sequence-parallel, tensor-parallel rank t's piece of them
+    where = where.view(args.tp, -1)[axes["tensor"].Get_rank()] if args.sequence_parallel else where
     return Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, axes["tensor"], ring,
-                 positions[cp.Get_rank()].to(device)).to(device)
+                 where.to(device), args.sequence_parallel).to(device)
 
 
 # -----------------------------------------------------------------------------
@@ -867,7 +936,7 @@ def global_losses(comm, losses, reports, shares):
 def shard_config(args):
     """What a checkpoint's shards belong to: the grid that cut them, and the model."""
     return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "layout": args.layout,
-                     "zero_stage": args.zero_stage}, "model": "GPT", "layers": args.layers,
+                     "zero_stage": args.zero_stage, "sequence_parallel": args.sequence_parallel}, "model": "GPT", "layers": args.layers,
             "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
 
 
@@ -968,7 +1037,8 @@ def print_header(comm, args, run, stage, buckets, resumed):
            f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
            f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) {where}",
            f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
-           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows",
+           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows"
+           + f", {args.seq_len // (C * T)} positions between its layers (sequence parallelism)" * args.sequence_parallel,
            f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
            f"sequences of {args.seq_len} characters, each cut over {C} context-parallel ranks ({args.layout}: "
            f"{args.seq_len // C} positions a rank) | schedule 1f1b, dry run of every rank's actions on the "
@@ -976,6 +1046,15 @@ def print_header(comm, args, run, stage, buckets, resumed):
            f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: "
            f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB" + (f" | ZeRO-1: each rank steps 1/{D * C} "
            f"of every bucket (its momentum alone), all-gathers the rest" if buckets.zero else ""))
+
+FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis, its variant) -> (count, bytes)
+    ("pipeline", False): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x 4BSh"),
+    ("pipeline", True): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x 4BSh (sequence-parallel)"),
+    ("data", False): ("allreduces: one per bucket per (pp, tp) group", "D x C x 4W"),
+    ("data", True): ("reduce-scatters and all-gathers: one each per bucket per (pp, tp) group", "4W' x (D x C + 1)"),
+    ("context", False): ("messages L x M x D x C x T x (3C - 2)", "L x (3C - 2) x 8BSh"),
+    ("tensor", False): ("allreduces D x C x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
+    ("tensor", True): ("collectives D x C x M x (14L + 10)", "(4L + 2)(T + 1) x 4BSh + 12BST + 4MDCT(Sh + 6Lh + 2h)")}
 
 def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
@@ -987,11 +1066,8 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
     theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
     pipeline = [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
     slots = max(e for row in pipeline for _, _, e in row)
-    text = {"pipeline": ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x 4BSh"),
-            "data": ("allreduces: one per bucket per (pp, tp) group", "D x C x 4W") if not buckets.zero else
-                    ("reduce-scatters and all-gathers: one each per bucket per (pp, tp) group", "4W' x (D x C + 1)"),
-            "context": ("messages L x M x D x C x T x (3C - 2)", "L x (3C - 2) x 8BSh"),
-            "tensor": ("allreduces D x C x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]")}
+    variant = {"pipeline": args.sequence_parallel, "data": buckets.zero, "context": False, "tensor": args.sequence_parallel}
+    text = {axis: FORMULA_TEXT[axis, v] for axis, v in variant.items()}
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
@@ -1006,7 +1082,7 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
         "comm_bytes_per_step": sum(m[2] for m in measured.values()),
         "collectives_per_step": sum(m[0] for m in measured.values()),
         "grid": {"pp": P, "dp": D, "cp": C, "tp": T}, "layout": args.layout, "zero_stage": args.zero_stage,
-        "micro_batches": M, "layer_split": layer_split(args.layers, P),
+        "sequence_parallel": args.sequence_parallel, "micro_batches": M, "layer_split": layer_split(args.layers, P),
         "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
         "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
         "messages_per_step": measured["pipeline"][1],
@@ -1037,7 +1113,7 @@ def per_axis(comm, counted, steps_run):
     counted once per group: its calls summed over the ranks, divided by the group's size."""
     out = {}
     for axis, c in counted.items():
-        collectives = ("Allreduce", "Iallreduce", "Ireduce_scatter_block", "Allgather")
+        collectives = ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather")
         calls = comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
         volume = comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
         messages = comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
@@ -1045,19 +1121,21 @@ def per_axis(comm, counted, steps_run):
     return out
 
 def formulas(args, stage_params, stage_buckets, stage_padded):
-    """The docstring's formulas by axis: (collectives, messages, bytes) per step over the grid.
-    stage_params, stage_buckets, stage_padded: every rank's count of parameters, of gradient buckets,
-    and of the buckets' elements padded to a multiple of D x C (ZeRO-1's slices)."""
+    """The docstring's formulas by axis, (collectives, messages, bytes) per step over the grid, from every
+    rank's count of parameters, of gradient buckets, and of their elements padded for ZeRO-1 (stage_*)."""
     P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
     L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
     activation, replicated, zero = 4 * B * S * h, S * h + 6 * L * h + 2 * h, args.zero_stage == 1 and D * C > 1
     W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
     assert sum(stage_params) == D * C * W  # what the ranks hold, added up
-    return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * T * activation),
+    tensor = (D * C * M * (14 * L + 10), 0, (4 * L + 2) * (T + 1) * activation + 12 * B * S * T  # + the hooks' sums
+              + M * D * C * T * 4 * replicated) if args.sequence_parallel else \
+        (D * C * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))
+    return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * activation),
             "data": ((sum(stage_buckets) // (D * C) * (D * C > 1), 0, D * C * 4 * W * (D * C > 1)) if not zero else
                      (2 * sum(stage_buckets) // (D * C), 0, 4 * sum(stage_padded) + 4 * sum(stage_padded) // (D * C))),
             "context": (0, L * M * D * C * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
-            "tensor": (D * C * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))}
+            "tensor": tensor}
 
 def draw_timeline(rows, slots, width):
     """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
@@ -1080,6 +1158,8 @@ def parse_args(argv, world_size):
     p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (pp x cp x tp))")
     p.add_argument("--cp", type=COUNT, default=1, help="context-parallel ranks: each holds S/C positions")
     p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel "
+                   "ranks outside their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
     p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"),
                    help="context parallelism's positions: chunks c and 2C-1-c of 2C (zigzag), or the c-th of C")
     p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
@@ -1091,6 +1171,8 @@ def parse_args(argv, world_size):
     if args.precision != "fp32" or args.recompute != "none":
         raise ConfigError(f"--precision {args.precision} --recompute {args.recompute}: hybrid_parallel.py offers "
                           f"neither bf16 nor recomputation yet; use --precision fp32 --recompute none")
+    if args.sequence_parallel and args.tp == 1:
+        raise ConfigError("--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2 or more")
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
                           f"multiple of {args.heads}, or --heads that divides {args.hidden}")
@@ -1101,7 +1183,8 @@ def parse_args(argv, world_size):
     chunks = (lambda c: 2 * c if c > 1 else 1) if args.layout == "zigzag" else (lambda c: c)  # equal chunks of S
 
     def grid_fits(p, d, c, t):
-        return args.heads % t == 0 and p <= args.layers and args.seq_len % chunks(c) == 0
+        return args.heads % t == 0 and p <= args.layers and args.seq_len % (chunks(c) * t ** args.sequence_parallel) == 0 \
+            and (t > 1 or not args.sequence_parallel)
     if P * D * C * T != world_size or not grid_fits(P, D, C, T):
         works = [f"--pp {world_size // (d * c * t)} --dp {d} --cp {c} --tp {t}" for d in range(1, world_size + 1)
                  for c in range(1, world_size + 1) for t in range(1, world_size + 1)
@@ -1109,7 +1192,8 @@ def parse_args(argv, world_size):
         why = (f"--pp {P} --dp {D} --cp {C} --tp {T} make {P * D * C * T} ranks, this job has {world_size}"
                if P * D * C * T != world_size else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
                else f"--pp {P} stages need at least {P} --layers, got {args.layers}" if args.layers < P
-               else f"--seq-len {args.seq_len} does not split into the {chunks(C)} chunks of --cp {C} --layout {args.layout}")
+               else f"--seq-len {args.seq_len} does not split into the {chunks(C)} chunks of --cp {C} --layout {args.layout}"
+               + f" x the {T} pieces of --sequence-parallel" * args.sequence_parallel)
         raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} --layers "
                           f"{args.layers} --seq-len {args.seq_len}: {'; '.join(works[:8]) or 'none'}{f' and {len(works) - 8} more' * (len(works) > 8)}")
     args.dp, share = D, args.batch_size // D if args.batch_size % D == 0 else 0

@@ -119,6 +119,9 @@ def test_dry_run_rejects_a_broken_grid(kind):
                                           "--pp 3 --dp 1 --cp 1 --tp 1"]),
     (["--cp", "4", "--seq-len", "6", "--layout", "contiguous"], 4, ["does not split into the 4 chunks of --cp 4"]),
     (["--precision", "bf16"], 1, ["offers neither bf16 nor recomputation yet"]),
+    (["--sequence-parallel"], 1, ["--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2"]),
+    (["--sequence-parallel", "--tp", "2", "--cp", "2", "--seq-len", "12"], 4,
+     ["--seq-len 12 does not split into the 4 chunks of --cp 2 --layout zigzag x the 2 pieces of --sequence-parallel"]),
     (["--recompute", "full"], 1, ["offers neither bf16 nor recomputation yet"]),
     (["--batch-size", "6", "--dp", "2", "--micro-batches", "2"], 2, ["--batch-size 6", "--micro-batches 1, 3,",
                                                                       "multiple of 4"]),
@@ -301,6 +304,21 @@ def test_zero_1_without_its_all_gather_fails_the_check():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(1, 1, 1, 4, []), (1, 1, 2, 2, []), (1, 1, 2, 2, ["--layout", "contiguous"]),
+                                               (2, 1, 1, 2, []), (1, 2, 1, 2, ["--zero-stage", "1"])])
+def test_sequence_parallelism_trains_like_one_process_and_its_bytes_match(pp, dp, cp, tp, extra):
+    """--sequence-parallel: all-gathers and reduce-scatters in place of f's and g's allreduces, the
+    sums of the replicated parameters' gradients, and pipeline messages of S/(C x T) positions."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            losses, measured = assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--sequence-parallel", *extra])
+            plain = train_on(comm, pp, dp, cp, tp, extra)
+            assert agree(max(abs(a - b) for a, b in zip(losses, plain[0])) <= hp.TOLERANCE, comm)
+            if pp > 1:  # each tensor-parallel rank sends 1/T of the activation it sent without
+                assert agree(measured["pipeline"][2] * tp == plain[2]["pipeline"][2], comm)
+
+
+@pytest.mark.mpi
 def test_small_buckets_give_one_allreduce_per_bucket():
     with sub_comm(4) as comm:
         if comm is not None:  # 2 KB buckets: several per rank, each one allreduce, all but the last posted before a later gradient
@@ -372,13 +390,15 @@ E2E = ["--layers", "3", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--b
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("grid", [{"pp": 1, "dp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 1, "cp": 2, "tp": 2},
+@pytest.mark.parametrize("grid", [{"pp": 1, "dp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 1, "cp": 2, "tp": 2,
+                                                                         "sequence-parallel": True},
                                   {"pp": 2, "dp": 2, "cp": 2, "tp": 1, "zero-stage": 1}])
 def test_triples_on_eight_ranks_staged_through_host_copies_pass_their_check_and_counts_match(tmp_path, grid):
-    """Three axes at once on 8 ranks: data x context x tensor, pipeline x context x tensor, pipeline x
-    data x context with ZeRO-1. STAGE_ALL=1 (tests/inject.py): every buffer handed to MPI is a host
-    copy, as on a GPU whose MPI cannot read its memory, so that the check proves every copy back."""
-    flags = [x for axis, size in grid.items() for x in (f"--{axis}", size)]
+    """Three axes at once on 8 ranks: data x context x tensor, pipeline x context x tensor with sequence
+    parallelism, pipeline x data x context with ZeRO-1. STAGE_ALL=1 (tests/inject.py): every buffer
+    handed to MPI is a host copy, as on a GPU whose MPI cannot read its memory, so that the check
+    proves every copy back."""
+    flags = [x for axis, size in grid.items() for x in ((f"--{axis}",) if size is True else (f"--{axis}", size))]
     out = launch("hybrid_parallel.py", 8, *E2E, *flags, "--steps", 3, "--json", "--trace", tmp_path / "trace.json",
                  timeout=400, env=clean_env(STAGE_ALL=1))
     result = last_json(out)
@@ -392,7 +412,9 @@ def test_triples_on_eight_ranks_staged_through_host_copies_pass_their_check_and_
         assert result["comm_bytes_per_step_by_axis"][axis] == formula[axis]["bytes"]
         assert (formula[axis]["bytes"] > 0) == (size > 1), axis
         assert result["collectives_per_step_by_axis"][axis] == formula[axis]["collectives"]
-    assert result["collectives_per_step_by_axis"]["tensor"] == dp * cp * 2 * (4 * 3 + 5) * (tp > 1)  # D x C x M x (4L + 5)
+    assert result["sequence_parallel"] == grid.get("sequence-parallel", False)
+    per_micro_batch = (14 * 3 + 10) if result["sequence_parallel"] else (4 * 3 + 5) * (tp > 1)  # 14L + 10, or 4L + 5
+    assert result["collectives_per_step_by_axis"]["tensor"] == dp * cp * 2 * per_micro_batch  # x D x C x M
     assert result["messages_per_step"] == 2 * 2 * (pp - 1) * dp * cp * tp  # 2M(P-1) x D x C x T
     assert result["overlap"] == promised_overlap(pp, dp, cp, tp, 2, [1] * 8)  # one 25 MB bucket a rank
     assert len(result["peak_memory_bytes_per_rank"]) == 8
