@@ -1,58 +1,73 @@
-"""Hybrid parallelism over MPI: data, tensor and pipeline parallelism at once, on a 3-D grid of ranks.
+"""Hybrid parallelism over MPI: data, context, tensor and pipeline parallelism at once, on a 4-D grid of ranks.
 
 What is split: everything, as Megatron-LM splits its largest models (Narayanan et al. 2021). The
-P x D x T ranks of the world form a grid (--pp P --dp D --tp T); a rank's place in it is written
-(pp, dp, tp) throughout, the axis that varies slowest first:
-  pipeline (P): the blocks are cut into P stages, each replica's share of the batch into M
+P x D x C x T ranks of the world form a grid (--pp P --dp D --cp C --tp T); a rank's place in it is
+written (pp, dp, cp, tp) throughout, the axis that varies slowest first:
+  pipeline (P): the blocks cut into P stages; each replica's share of the batch cut into M
                 micro-batches (--micro-batches) that flow through the stages in the 1F1B order;
-  data (D):     D replicas of that pipeline each take B/D of the global batch of B sequences;
-                their gradients are averaged by a bucketed allreduce;
-  tensor (T):   within a stage every weight matrix is split over T ranks: Megatron's f and g,
-                column- and row-parallel linears, the vocabulary-parallel embedding on the first
-                stage and the vocabulary-parallel cross-entropy on the last (Shoeybi et al. 2019).
+  data (D):     D replicas of that pipeline, each taking B/D of the global batch of B sequences;
+  context (C):  each sequence cut over C ranks, S/C positions each (--layout zigzag: chunks c and
+                2C-1-c of 2C, the same causal work on every rank; contiguous: the c-th block); attention
+                by ring: the K/V blocks go round the C ranks, merged by the softmax's log-sum-exp
+                (Liu et al. 2023), the only layer that needs another rank's positions;
+  tensor (T):   within a stage every weight matrix split over T ranks: Megatron's f and g, column- and
+                row-parallel linears, the vocabulary-parallel embedding and cross-entropy (Shoeybi 2019);
+                --sequence-parallel also cuts the S/C positions over the T ranks between those layers
+                (LayerNorms, residuals): f and g become all-gather and reduce-scatter (Korthikanti 2022).
+The D x C ranks of equal (pp, tp) hold the same weights and saw different tokens: one gradient
+allreduce averages over all of them (Megatron's data-parallel group with context parallelism).
 
-  global rank = pp x (D x T) + dp x T + tp (Megatron's order: the tensor-parallel ranks are
-  consecutive, so that under a normal launch they share a node and its fast links; then data;
-  pipeline outermost). --pp 2 --dp 2 --tp 2 on 8 ranks, 4 blocks:
+  global rank = ((pp x D + dp) x C + cp) x T + tp. Tensor fastest: its allreduces sit inside every
+  layer, on the critical path, so its T ranks share a node's fastest links (T <= 8 GPUs of a node);
+  context next: a ring hop per block and layer, still within a node when C x T <= 8 (4 or 8 GPUs);
+  data next: one allreduce a step, hidden behind backward, may cross nodes; pipeline outermost: one
+  activation per micro-batch and stage boundary, the least traffic, across nodes.
+  --pp 2 --dp 2 --cp 2 --tp 2 on 16 ranks, the ranks of stage 0 (stage 1: the same + 8):
 
-                        stage 0 (pp 0)                          stage 1 (pp 1)
-                    embedding, blocks 0-1                blocks 2-3, norm, head, loss
-   replica 0    [ rank 0  |  rank 1 ]  == activations ==>  [ rank 4  |  rank 5 ]
-     (dp 0)        tp 0       tp 1     <== gradients ====     tp 0       tp 1
-                     |          |                              |          |
-                     gradient allreduce                        gradient allreduce
-                     |          |                              |          |
-   replica 1    [ rank 2  |  rank 3 ]  ==================>  [ rank 6  |  rank 7 ]
-     (dp 1)        tp 0       tp 1     <==================     tp 0       tp 1
-
-  ==>: point-to-point between the ranks of equal (dp, tp) (0-4, 1-5, 2-6, 3-7);
-  gradient allreduce: between the ranks of equal (pp, tp) (0-2, 1-3, 4-6, 5-7);
-  [ a | b ]: a tensor-parallel group, allreduces inside every layer (0-1, 2-3, 4-5, 6-7).
+                 cp 0 (positions of chunks 0, 3)    cp 1 (chunks 1, 2)
+   replica 0    [ rank 0 | rank 1 ]  <== ring ==>  [ rank 2 | rank 3 ]   == activations ==> ranks 8-11
+     (dp 0)         |        |                         |        |
+                    gradient allreduce over the D x C ranks of equal tp (0-2-4-6, 1-3-5-7)
+                    |        |                         |        |
+   replica 1    [ rank 4 | rank 5 ]  <== ring ==>  [ rank 6 | rank 7 ]   == activations ==> ranks 12-15
+  [ a | b ]: a tensor-parallel group (0-1, 2-3, ...); ring: the context-parallel ranks of equal
+  (pp, dp, tp) (0-2, 1-3, ...); ==>: point-to-point between the ranks of equal (dp, cp, tp) (0-8, ...).
 
 Communication per step, summed over every rank of the grid (L blocks, B sequences of S characters,
-hidden size h, M micro-batches, float32 = 4 bytes; an axis of size 1 moves nothing):
-  pipeline: 2M(P - 1) x D x T messages, 2(P - 1) x T x 4BSh bytes, no collective: each of a stage's
-            T ranks sends its own copy of the activation to its peer in the next stage.
+hidden size h, M micro-batches, float32 = 4 bytes, A = 4BSh the bytes of one activation of the whole
+batch; an axis of size 1 moves nothing):
+  pipeline: 2M(P - 1) x D x C x T messages, 2(P - 1) x T x A bytes: each of a stage's T ranks sends its
+            own copy of its positions' activation to its peer in the next stage.
   data:     one allreduce per bucket (--bucket-mb) in each of the P x T groups of equal (pp, tp);
-            D x 4W bytes, W the parameters of one replica: the model's, its vocabulary padded to a
+            D x C x 4W bytes, W the parameters of one replica: the model's, its vocabulary padded to a
             multiple of T, plus (T - 1) x (Sh + 6Lh + 2h) held whole on every tensor-parallel rank
             (LayerNorms, position embedding, row-parallel biases).
-  tensor:   D x M x (4L + 5) allreduces (per micro-batch and replica: 2 per block forward (g) and
+  context:  L x M x D x C x T x (3C - 2) Sendrecvs, L x (3C - 2) x 2A bytes: per block and micro-batch
+            each rank passes its K/V (2 x 4b(S/C)(h/T) bytes) C - 1 hops forward, C - 1 again in
+            backward, and the dK/dV accumulators C hops home.
+  tensor:   D x C x M x (4L + 5) allreduces (per micro-batch and (dp, cp): 2 per block forward (g),
             2 backward (f), the embedding's g, the head's f, 3 for the loss);
-            T x [(4L + 2) x 4BSh + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
+            T x [(4L + 2) x A + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
+  tensor, --sequence-parallel: D x C x M x (14L + 10) collectives, (4L + 2)(T + 1) x A + 12BST +
+            4MDCT(Sh + 6Lh + 2h) bytes: per block 2 all-gathers and 2 reduce-scatters each way, and per
+            micro-batch an allreduce of each replicated parameter's gradient; the pipeline's bytes fall to 2(P - 1) x A.
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
-The pipeline moves one activation per micro-batch and stage boundary, its sends in flight while
-the next micro-batch computes; data parallelism the gradients once per step, overlapped with the
-last backward; tensor parallelism activations twice each way in every block, on the critical path.
+  ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each
+            bucket (still posted in backward) and an Allgather of the updated parameters after the step:
+            2 collectives per bucket, 4W' x (D x C + 1) bytes, W' = W with each bucket padded to a multiple
+            of D x C; rank r of the D x C steps only slice r of each bucket, and keeps its momentum alone.
+Memory per rank, float32, W_r its stage's parameters (its share of the T-way split): weights 4W_r,
+  gradients 4W_r, momentum 4W_r (--zero-stage 1: 4W_r'/(D x C), W_r' padded as above); activations of
+  up to min(M, P - s) micro-batches in flight on stage s (1F1B), each b x S/C positions.
 
-When to choose it: the model outgrows one node. Put the tensor axis inside a node (fast links),
-the pipeline across nodes (little traffic), data parallelism over the replicas the devices leave;
-more micro-batches shrink the bubble.
+When to choose it: the model outgrows one node, or the sequence one device's memory. Tensor inside a
+node, context next (long sequences), the pipeline across nodes, data parallelism over the replicas
+the devices leave; more micro-batches shrink the bubble.
 
 The network: the GPT of tensor_parallel.py and pipeline_parallel.py, on the source of Python's own
 argparse.py, textwrap.py and shlex.py.
 
-Run:  mpirun -np 8 python hybrid_parallel.py --pp 2 --dp 2 --tp 2      (add --help for the flags)
+Run:  mpirun -np 16 python hybrid_parallel.py --pp 2 --dp 2 --cp 2 --tp 2     (add --help for the flags)
 """
 import argparse
 import collections
@@ -84,11 +99,12 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "hybrid_parallel"
-# Largest |difference| allowed against single-process training (float32). Row-parallel partial
-# sums, micro-batches and replicas reorder float32 sums: over 30 steps (5 blocks, hidden 32, M = 2)
-# every grid of 1, 2 and 4 ranks stayed within 4.8e-7 to 7.2e-7 in losses and parameters (--tp 4
-# the most), --pp 2 --dp 2 --tp 2 on 8 ranks within 5.4e-7: the level of tensor_parallel.py and
-# pipeline_parallel.py, whose 2e-5 this keeps (a 10 x 2e-5 nudge of one weight must show).
+# Largest |difference| allowed against single-process training (float32), measured over 30 steps (5 blocks,
+# hidden 32, M = 2): every grid of 1, 2 and 4 ranks of data, tensor and pipeline within 4.8e-7 to 7.2e-7
+# (--tp 4 the most), 2 x 2 x 2 on 8 ranks 5.4e-7; ring attention's merges (16 positions): --cp 4 7.7e-7
+# zigzag, 7.2e-7 contiguous; --cp 2 with --tp 2 7.7e-7 / 1.2e-6, with --pp 2 8.3e-7, with --dp 2 6.6e-7 /
+# 1.2e-6 (zigzag / contiguous); ZeRO-1 --dp 4 7.7e-7, --dp 2 --cp 2 contiguous 8.0e-7. The 2e-5 of
+# tensor_parallel.py and pipeline_parallel.py kept: a 10 x 2e-5 nudge of one weight must show.
 TOLERANCE = 2e-5
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
@@ -96,29 +112,30 @@ VOCAB = 128  # the ASCII codes
 
 
 # -----------------------------------------------------------------------------
-# The grid: P x D x T ranks in Megatron's order, and one communicator per axis
+# The grid: P x D x C x T ranks in Megatron's order, and one communicator per axis
 # -----------------------------------------------------------------------------
-def coordinates(rank, dp, tp):
-    """(pp, dp, tp) of a global rank: pp varies slowest, then dp, tp fastest."""
-    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+def coordinates(rank, dp, cp, tp):
+    """(pp, dp, cp, tp) of a global rank: pp varies slowest, then dp, then cp, tp fastest."""
+    return rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp
 
 
-def rank_at(p, d, t, dp, tp):
-    """The global rank at (pp, dp, tp) = (p, d, t)."""
-    return p * dp * tp + d * tp + t
+def rank_at(p, d, c, t, dp, cp, tp):
+    """The global rank at (pp, dp, cp, tp) = (p, d, c, t)."""
+    return ((p * dp + d) * cp + c) * tp + t
 
 
-def make_grid(comm, pp, dp, tp):
-    """A Cartesian communicator of dimensions (pp, dp, tp), in row-major order, so the last (tp)
-    varies fastest: Megatron's order. Sub() keeps one dimension: the ranks that differ only there.
-    Returns this rank's pipeline-, data- and tensor-parallel communicators."""
-    cart = comm.Create_cart([pp, dp, tp], periods=[False] * 3, reorder=False)
-    assert tuple(cart.Get_coords(cart.Get_rank())) == coordinates(comm.Get_rank(), dp, tp)
-    pp_comm = cart.Sub([True, False, False])  # equal (dp, tp): one pipeline, rank = stage
-    dp_comm = cart.Sub([False, True, False])  # equal (pp, tp): the replicas of one shard
-    tp_comm = cart.Sub([False, False, True])  # equal (pp, dp): one stage of one replica
+def make_grid(comm, pp, dp, cp, tp):
+    """A Cartesian communicator of dimensions (pp, dp, cp, tp), in row-major order, so the last (tp)
+    varies fastest: Megatron's order. Sub() keeps the dimensions marked True: the ranks that differ
+    only there. Returns this rank's communicator of each axis, by name."""
+    cart = comm.Create_cart([pp, dp, cp, tp], periods=[False] * 4, reorder=False)
+    assert tuple(cart.Get_coords(cart.Get_rank())) == coordinates(comm.Get_rank(), dp, cp, tp)
+    axes = {"pipeline": cart.Sub([True, False, False, False]),  # equal (dp, cp, tp): one pipeline, rank = stage
+            "data": cart.Sub([False, True, True, False]),  # equal (pp, tp): the D x C ranks of one shard's weights
+            "context": cart.Sub([False, False, True, False]),  # equal (pp, dp, tp): one sequence's ring
+            "tensor": cart.Sub([False, False, False, True])}  # equal (pp, dp, cp): one stage's matrices
     cart.Free()
-    return pp_comm, dp_comm, tp_comm
+    return axes
 
 
 # -----------------------------------------------------------------------------
@@ -188,6 +205,53 @@ class g(torch.autograd.Function):
         return dy, None
 
 
+def gather_sequence(x, comm):
+    """b x s x h on each of the T ranks -> b x Ts x h, rank t's positions at [ts, (t+1)s)."""
+    x = x.detach().contiguous()
+    every = x.new_empty((comm.Get_size(), *x.shape))
+    buffer = mpi_buffer(every, send=False)
+    comm.Allgather(mpi_buffer(x), buffer)
+    return from_mpi(every, buffer).transpose(0, 1).flatten(1, 2)
+
+
+def scatter_sequence(x, comm):
+    """b x Ts x h partial sums on each rank -> b x s x h: the sum over the ranks of rank t's positions."""
+    b, n, h, size = *x.shape, comm.Get_size()
+    pieces = x.detach().reshape(b, size, n // size, h).transpose(0, 1).contiguous()
+    mine = x.new_empty((b, n // size, h))
+    buffer = mpi_buffer(mine, send=False)
+    comm.Reduce_scatter_block(mpi_buffer(pieces), buffer, op=MPI.SUM)
+    return from_mpi(mine, buffer)
+
+
+class GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's f (Korthikanti et al. 2022): before a column-parallel layer, all-gather
+    the T ranks' pieces of the sequence; backward, reduce-scatter: each keeps its positions' sum."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return gather_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return scatter_sequence(dy, ctx.comm), None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """Sequence parallelism's g: after a row-parallel layer, reduce-scatter the partial sums, so that
+    each rank holds the whole sum for its piece of the sequence; backward, all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return scatter_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return gather_sequence(dy, ctx.comm), None
+
+
 def shard(t, dim, comm, groups=1, padded=None):
     """This rank's slice of t along dim, as a parameter. groups=3: t is q, k, v side by side and
     the rank keeps the same slice of each (its heads). padded: zero rows first, up to that size."""
@@ -195,7 +259,9 @@ def shard(t, dim, comm, groups=1, padded=None):
     if padded is not None and padded > t.size(dim):
         t = torch.cat([t, t.new_zeros(t.shape[:dim] + (padded - t.size(dim),) + t.shape[dim + 1:])], dim)
     rank, size = comm.Get_rank(), comm.Get_size()
-    return nn.Parameter(torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone())
+    param = nn.Parameter(torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone())
+    param.sliced = True  # a slice: its gradient is this rank's own (the others are whole on every rank)
+    return param
 
 
 class ColumnParallelLinear(nn.Module):
@@ -203,12 +269,13 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, full, comm, groups=1, padded=None):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, False  # True: X comes cut along the sequence
         self.weight = shard(full.weight, 0, comm, groups, padded)
         self.bias = None if full.bias is None else shard(full.bias, 0, comm, groups, padded)
 
     def forward(self, x):
-        return F.linear(f.apply(x, self.comm), self.weight, self.bias)
+        x = GatherSequence.apply(x, self.comm) if self.sequence_parallel else f.apply(x, self.comm)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -217,12 +284,13 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, full, comm):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, False  # True: Y leaves cut along the sequence
         self.weight = shard(full.weight, 1, comm)
         self.bias = nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x):
-        return g.apply(F.linear(x, self.weight), self.comm) + self.bias
+        sum_ = ScatterSequence if self.sequence_parallel else g
+        return sum_.apply(F.linear(x, self.weight), self.comm) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -231,14 +299,15 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, full, comm, padded):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, False  # True: the sum leaves cut along the sequence
         self.weight = shard(full.weight, 0, comm, padded=padded)
         self.start = comm.Get_rank() * self.weight.size(0)
 
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.start + self.weight.size(0))
         rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
-        return g.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
+        sum_ = ScatterSequence if self.sequence_parallel else g
+        return sum_.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -287,19 +356,33 @@ class Stage(nn.Module):
     """Blocks [lo, hi) of the full model, with the embedding on the first stage and the final
     norm and head on the last, every matrix sharded over the tensor-parallel communicator."""
 
-    def __init__(self, model, lo, hi, first, last, comm):
+    def __init__(self, model, lo, hi, first, last, comm, ring=None, where=None, sequence_parallel=False):
         super().__init__()
-        self.first, self.last, self.hidden = first, last, model.norm.normalized_shape[0]
+        self.first, self.last, self.hidden, self.where = first, last, model.norm.normalized_shape[0], where
         padded = padded_vocab(comm.Get_size())
         if first:
             self.tokens, self.positions = VocabParallelEmbedding(model.tokens, comm, padded), model.positions
         self.blocks = nn.ModuleList(shard_block(b, comm) for b in model.blocks[lo:hi])
+        for block in self.blocks:
+            block.ring = ring
         if last:
             self.norm, self.out = model.norm, ColumnParallelLinear(model.out, comm, padded=padded)
+        # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T
+        # ranks holds S/(C T) positions, so the f and g around them gather and scatter the sequence, and
+        # a parameter held whole on every rank (a LayerNorm, a row-parallel bias, the positions) gets the
+        # gradient of this rank's positions alone: a hook sums it over the T ranks as it is computed
+        # (each micro-batch; Megatron sums these once a step, after the last).
+        self.cut = comm.Get_size() if sequence_parallel else 1  # a piece of the sequence per rank
+        for layer in self.modules():
+            if hasattr(layer, "sequence_parallel"):
+                layer.sequence_parallel = sequence_parallel
+        for p in self.parameters() if sequence_parallel else ():
+            if not getattr(p, "sliced", False):
+                p.register_hook(functools.partial(allreduce, comm=comm))
 
     def forward(self, x):
-        if self.first:
-            x = self.tokens(x) + self.positions(torch.arange(x.size(1), device=x.device))
+        if self.first:  # this rank's global positions, wherever the layout put them
+            x = self.tokens(x) + self.positions(self.where)
         for block in self.blocks:
             x = block(x)
         return self.out(self.norm(x)) if self.last else x
@@ -310,6 +393,107 @@ def layer_split(layers, pp):
     (the last also runs the head and the loss)."""
     sizes = [layers // pp + (s < layers % pp) for s in range(pp)]
     return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
+
+
+# -----------------------------------------------------------------------------
+# Context parallelism within a stage: the sequence cut over C ranks, attention by ring
+# -----------------------------------------------------------------------------
+def shard_positions(seq_len, cp, layout):
+    """Row c: the global positions context-parallel rank c holds. zigzag: chunks c and 2C-1-c of
+    2C, so that every rank has early and late positions and the same causal work; contiguous: the
+    c-th block of S/C (the last rank then attends to the most keys)."""
+    if layout == "contiguous" or cp == 1:
+        return torch.arange(seq_len).view(cp, -1)
+    chunks = torch.arange(seq_len).view(2 * cp, -1)
+    return torch.stack([torch.cat([chunks[c], chunks[2 * cp - 1 - c]]) for c in range(cp)])
+
+
+def block_plan(queries, keys):
+    """Of one block of keys: the rows (queries) that see any of them, the cols (keys) that any
+    query sees, and the causal mask of those; None when every key comes after every query."""
+    visible = keys.view(1, -1) <= queries.view(-1, 1)
+    rows, cols = visible.any(1).nonzero().flatten(), visible.any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    return types.SimpleNamespace(rows=rows, cols=cols, mask=~visible[rows][:, cols])
+
+
+def block_attention(q, k, v, plan):
+    """The plan's queries against one block of keys: the block's output and its log-sum-exp."""
+    scores = q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1) / math.sqrt(q.size(-1))
+    scores = scores.masked_fill(plan.mask, float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v[:, :, plan.cols], lse
+
+
+def ring_pass(t, comm):
+    """Send t to the next rank of the ring and receive the previous rank's in its place."""
+    rank, size, came = comm.Get_rank(), comm.Get_size(), torch.empty_like(t)
+    buffer = mpi_buffer(came, send=False)
+    comm.Sendrecv(mpi_buffer(t), dest=(rank + 1) % size, recvbuf=buffer, source=(rank - 1) % size)
+    return from_mpi(came, buffer)
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries (b x heads x S/C x d) over the whole sequence's keys:
+    the K/V blocks go round the ring, C - 1 hops; each block's output is merged into the running one
+    by the softmax's log-sum-exp (out <- out - sigmoid(lse_b - lse)(out - out_b), lse <- lse -
+    logsigmoid(lse - lse_b)). Backward: the K/V blocks go round again, the weights recomputed from
+    the final lse; dQ adds up at home, each block's dK/dV travels with it and comes home after C hops.
+    The hops are blocking Sendrecvs: context_parallel.py shows how to hide them behind a block's work."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        kv, out, lse = torch.stack([k, v]), None, None
+        for i in range(ring.comm.Get_size()):
+            plan = ring.plans[(ring.comm.Get_rank() - i) % ring.comm.Get_size()]  # rank c-i's block is in hand
+            if plan is not None:
+                block_out, block_lse = block_attention(q, kv[0], kv[1], plan)
+                if out is None:  # the own block, first: every query sees itself
+                    out, lse = block_out, block_lse
+                else:
+                    o, s = out[:, :, plan.rows], lse[:, :, plan.rows]
+                    out[:, :, plan.rows] = o - torch.sigmoid(block_lse - s).unsqueeze(-1) * (o - block_out)
+                    lse[:, :, plan.rows] = s - F.logsigmoid(s - block_lse)
+            if i < ring.comm.Get_size() - 1:
+                kv = ring_pass(kv, ring.comm)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, dout, scale = ctx.ring, dout.contiguous(), 1 / math.sqrt(q.size(-1))
+        delta = (dout * out).sum(-1)  # rowsum(P dP) of softmax's backward, = rowsum(dO O) (FlashAttention's D)
+        dq, kv, travelling = torch.zeros_like(q), torch.stack([k, v]), None
+        for i in range(ring.comm.Get_size()):
+            dkv, plan = torch.zeros_like(kv), ring.plans[(ring.comm.Get_rank() - i) % ring.comm.Get_size()]
+            if plan is not None:
+                rows, cols = plan.rows, plan.cols
+                scores = (q[:, :, rows] @ kv[0][:, :, cols].transpose(-2, -1) * scale).masked_fill(plan.mask, float("-inf"))
+                weights = (scores - lse[:, :, rows].unsqueeze(-1)).exp()  # the block's share of the whole softmax
+                dv = weights.transpose(-2, -1) @ dout[:, :, rows]
+                dscores = weights * (dout[:, :, rows] @ kv[1][:, :, cols].transpose(-2, -1) - delta[:, :, rows].unsqueeze(-1)) * scale
+                dq[:, :, rows] += dscores @ kv[0][:, :, cols]
+                dkv[0][:, :, cols] += dscores.transpose(-2, -1) @ q[:, :, rows]
+                dkv[1][:, :, cols] += dv
+            if travelling is not None:
+                dkv += travelling  # the shares of the ranks before, of this same block
+            travelling = ring_pass(dkv, ring.comm)
+            if i < ring.comm.Get_size() - 1:
+                kv = ring_pass(kv, ring.comm)
+        return dq, travelling[0], travelling[1], None  # after C hops, the own block's dK, dV
+
+
+class Ring:
+    """What a block's attention needs on this rank: the context-parallel communicator and the plan
+    of its positions against each rank's (shard_positions' rows)."""
+
+    def __init__(self, comm, positions, device):
+        self.comm = comm
+        self.plans = [None if plan is None else types.SimpleNamespace(**{k: t.to(device) for k, t in vars(plan).items()})
+                      for plan in (block_plan(positions[comm.Get_rank()], row) for row in positions)]
 
 
 # -----------------------------------------------------------------------------
@@ -343,28 +527,28 @@ def one_f_one_b(pp, m, stage):
     return actions + [a for i in range(m - warmup, m) for a in backward(i)] + [Action("reduce", None)]
 
 
-def dry_run(lists, dp, tp, m):
+def dry_run(lists, dp, cp, tp, m):
     """Execute the lists of every rank of the grid on paper, one slot per forward or backward.
-    A send never blocks (Isend); a receive waits for the send of the rank of equal (dp, tp) one
-    stage away. A forward or backward holds the tensor-parallel allreduces, so the T ranks of a
-    group run it together, and 'reduce' the D ranks of equal (pp, tp): a group waits until every
-    member is at the same action. Raises ScheduleError unless every rank runs each micro-batch's
+    A send never blocks (Isend); a receive waits for the send of the rank of equal (dp, cp, tp) one
+    stage away. A forward or backward holds the tensor-parallel allreduces and the ring's hops, so
+    the C x T ranks of equal (pp, dp) run it together, and 'reduce' the D x C ranks of equal (pp, tp):
+    a group waits until every member is at the same action. Raises ScheduleError unless every rank runs each micro-batch's
     forward and backward once, after its inputs exist, and every message is received. Returns per
     rank the ideal timeline [(label, start, end)] and the peak count of micro-batches held."""
     n = len(lists)
-    pp = n // (dp * tp)
+    pp = n // (dp * cp * tp)
     pc, clock, sent = [0] * n, [0] * n, {}  # sent: (src, dst, kind, mb) -> slot it was sent at
     have = [set() for _ in range(n)]  # (act|grad, mb) received, (forward|backward, mb) computed
     spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
 
-    def neighbour(r, step):  # the rank of equal (dp, tp) `step` stages away, if any
-        p, d, t = coordinates(r, dp, tp)
-        return rank_at(p + step, d, t, dp, tp) if 0 <= p + step < pp else None
+    def neighbour(r, step):  # the rank of equal (dp, cp, tp) `step` stages away, if any
+        p, d, c, t = coordinates(r, dp, cp, tp)
+        return rank_at(p + step, d, c, t, dp, cp, tp) if 0 <= p + step < pp else None
 
-    def group(r, op):  # who runs op together: the data-parallel group, or the tensor-parallel one
-        p, d, t = coordinates(r, dp, tp)
-        return [rank_at(p, e, t, dp, tp) for e in range(dp)] if op == "reduce" else \
-            [rank_at(p, d, u, dp, tp) for u in range(tp)]
+    def group(r, op):  # who runs op together: the data-parallel group, or a stage's C x T ranks
+        p, d, c, t = coordinates(r, dp, cp, tp)
+        return [rank_at(p, e, b, t, dp, cp, tp) for e in range(dp) for b in range(cp)] if op == "reduce" else \
+            [rank_at(p, d, b, u, dp, cp, tp) for b in range(cp) for u in range(tp)]
 
     def compute(r, op, i):
         needs = {"forward": [("act", i)] * (neighbour(r, -1) is not None),
@@ -442,10 +626,12 @@ class GradBuckets:
     """PyTorch DDP's reducer in miniature. Buckets follow reverse registration order, the order in
     which backward produces gradients. During the step's last backward (after it, a gradient holds
     all M micro-batches), a post-accumulate-grad hook counts a bucket's gradients and starts its
-    non-blocking allreduce the moment the last one is in; finish() waits and divides by D."""
+    non-blocking allreduce the moment the last one is in; finish() waits and divides by the N = D x C
+    ranks. zero=True (ZeRO-1): a reduce-scatter instead, so that rank r receives only the sum of slice
+    r of each bucket (padded to a multiple of N), left in self.shards for ShardedSGD to step."""
 
-    def __init__(self, params, comm, bucket_bytes):
-        self.comm, self.buckets, size = comm, [[]], 0
+    def __init__(self, params, comm, bucket_bytes, zero=False):
+        self.comm, self.buckets, self.zero, size = comm, [[]], zero and comm.Get_size() > 1, 0
         for p in reversed(list(params)):
             if size >= bucket_bytes:
                 self.buckets.append([])
@@ -453,6 +639,9 @@ class GradBuckets:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        n = comm.Get_size()
+        self.padded = [-(-sum(p.numel() for p in b) // n) * n for b in self.buckets]  # a multiple of N
+        self.shards = [None] * len(self.buckets)  # ZeRO-1: this rank's slice of each bucket's averaged gradient
         self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
         # The report's marks, not the strategy's: how many gradients the last backward has computed
         # (a hook of its own, first on each parameter), and that number as each allreduce was posted.
@@ -477,8 +666,16 @@ class GradBuckets:
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
             flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
-            buffer = mpi_buffer(flat, nonblocking=True)
-            self.pending.append((i, flat, buffer, self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)))
+            if self.zero:  # each rank receives the sum of its own slice: 1/N of the bucket
+                flat = F.pad(flat, (0, self.padded[i] - flat.numel()))
+                shard = flat.new_empty(self.padded[i] // self.comm.Get_size())
+                buffer = mpi_buffer(shard, nonblocking=True, send=False)
+                request = self.comm.Ireduce_scatter_block(mpi_buffer(flat, nonblocking=True), buffer, op=MPI.SUM)
+                flat = shard
+            else:
+                buffer = mpi_buffer(flat, nonblocking=True)
+                request = self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+            self.pending.append((i, flat, buffer, request))
             self.posted_at.append(self.computed)
         for *_, request in self.pending:
             request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
@@ -492,10 +689,54 @@ class GradBuckets:
         for i, flat, buffer, request in self.pending:
             request.Wait()
             flat = from_mpi(flat, buffer) / self.comm.Get_size()
+            if self.zero:
+                self.shards[i] = flat
+                continue
             offset = 0
             for p in self.buckets[i]:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
+
+
+class ShardedSGD:
+    """ZeRO stage 1 (Megatron's distributed optimizer) over the N = D x C ranks of comm: rank r keeps
+    the momentum of slice r of each bucket only, 1/N of it. Its step: SGD on the slice (the parameters'
+    slice, the gradient's from the reduce-scatter), then an Allgather of every rank's updated slice
+    into the bucket's parameters, so that every rank holds them all again for the next forward."""
+
+    def __init__(self, buckets, lr):
+        self.buckets, comm = buckets, buckets.comm
+        self.slices = [nn.Parameter(torch.zeros(n // comm.Get_size(), device=b[0].device))
+                       for n, b in zip(buckets.padded, buckets.buckets)]
+        self.inner = torch.optim.SGD(self.slices, lr=lr, momentum=0.9)  # torch's own step, on slices
+
+    def zero_grad(self, set_to_none=False):
+        for p in self.buckets.bucket_of:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def step(self):
+        comm, r = self.buckets.comm, self.buckets.comm.Get_rank()
+        for piece, bucket, grad, n in zip(self.slices, self.buckets.buckets, self.buckets.shards, self.buckets.padded):
+            flat = F.pad(torch.cat([p.detach().reshape(-1) for p in bucket]), (0, n - sum(p.numel() for p in bucket)))
+            piece.data.copy_(flat.view(comm.Get_size(), -1)[r])  # the parameters' slice: float32, as the master
+            piece.grad = grad
+        self.inner.step()
+        for piece, bucket, n in zip(self.slices, self.buckets.buckets, self.buckets.padded):
+            whole = piece.new_empty(n)
+            buffer = mpi_buffer(whole, send=False)
+            comm.Allgather(mpi_buffer(piece.detach()), buffer)
+            whole, offset = from_mpi(whole, buffer), 0
+            with torch.no_grad():
+                for p in bucket:
+                    p.copy_(whole[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
 
 
 # -----------------------------------------------------------------------------
@@ -507,7 +748,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
     summed), elsewhere 0."""
     s, last_stage = pp_comm.Get_rank(), pp_comm.Get_size() - 1
     xs, ys = x.chunk(m), y.chunk(m)
-    shape = (xs[0].size(0), xs[0].size(1), stage.hidden)  # an activation, or its gradient
+    shape = (xs[0].size(0), xs[0].size(1) // stage.cut, stage.hidden)  # an activation, or its gradient
     inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
     last_backward = max(k for k, a in enumerate(actions) if a.op == "backward")
     optimizer.zero_grad(set_to_none=False)
@@ -560,10 +801,13 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
 # -----------------------------------------------------------------------------
 # Model: a GPT-2 style character-level language model, plain (what one process trains)
 # -----------------------------------------------------------------------------
-def attend(qkv, heads):
-    """Causal self-attention of `heads` heads, from queries, keys and values side by side."""
+def attend(qkv, heads, ring=None):
+    """Causal self-attention of `heads` heads, from queries, keys and values side by side: over
+    the whole sequence in one process, or by ring over the context-parallel ranks (`ring`)."""
     b, t, c = qkv.size(0), qkv.size(1), qkv.size(2) // 3
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
+    if ring is not None:
+        return RingAttention.apply(q, k, v, ring).transpose(1, 2).reshape(b, t, c)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
     future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
     weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
@@ -576,14 +820,14 @@ class Block(nn.Module):
 
     def __init__(self, hidden, heads):
         super().__init__()
-        self.heads = heads
+        self.heads, self.ring = heads, None  # a rank's Ring under context parallelism
         self.ln1, self.qkv = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden)  # q, k, v side by side
         self.proj = nn.Linear(hidden, hidden)
         self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
-        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads))
+        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads, self.ring))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
@@ -615,11 +859,17 @@ def build_model(args):
     return model
 
 
-def build_stage(args, pp_comm, tp_comm, device, model=None):
-    """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone."""
-    s, pp = pp_comm.Get_rank(), pp_comm.Get_size()
+def build_stage(args, axes, device, model=None):
+    """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone,
+    with a ring over the context-parallel ranks when there are several."""
+    s, pp, cp = axes["pipeline"].Get_rank(), axes["pipeline"].Get_size(), axes["context"]
     lo, hi = layer_split(args.layers, pp)[s]
-    return Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, tp_comm).to(device)
+    positions = shard_positions(args.seq_len, cp.Get_size(), args.layout)
+    ring = Ring(cp, positions, device) if cp.Get_size() > 1 else None
+    where = positions[cp.Get_rank()]  # with --sequence-parallel, tensor-parallel rank t's piece of them
+    where = where.view(args.tp, -1)[axes["tensor"].Get_rank()] if args.sequence_parallel else where
+    return Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, axes["tensor"], ring,
+                 where.to(device), args.sequence_parallel).to(device)
 
 
 # -----------------------------------------------------------------------------
@@ -655,35 +905,38 @@ def train(args, comm, counted, device, stage, optimizer, buckets, actions, timel
     """This rank's list of `actions` (proven by the dry run), once a step, for the steps after the
     `past` ones (their losses, from a checkpoint). Returns the global batch's losses of all steps,
     on every rank, and this rank's timings of the new ones."""
-    pp_comm, dp_comm, tp_comm = counted["pipeline"], counted["data"], counted["tensor"]
+    pp_comm, dp_comm, cp_comm, tp_comm = (counted[a] for a in ("pipeline", "data", "context", "tensor"))
     reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
-    losses, records = [], []
+    replica = dp_comm.Get_rank() // cp_comm.Get_size()  # the D x C ranks in order (dp, cp)
+    positions = shard_positions(args.seq_len, cp_comm.Get_size(), args.layout)[cp_comm.Get_rank()]
+    losses, records, shares = [], [], dp_comm.Get_size()  # D x C ranks, each the mean over its tokens
     for step in range(len(past), args.steps):
         start = time.perf_counter()
-        x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len),
-                        dp_comm.Get_rank(), dp_comm.Get_size())
+        x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len), replica, args.dp)
+        x, y = x[:, positions], y[:, positions]  # this rank's positions of its replica's sequences
         losses.append(train_step(stage, optimizer, buckets, actions, x.to(device), y.to(device),
                                  args.micro_batches, pp_comm, tp_comm, timeline))
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, args.dp)[0], records[-1])
+            print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, shares)[0], records[-1])
         checkpoint_if_due(comm, args, step, lambda: {
             "model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-            "losses": list(past) + global_losses(comm, losses, reports, args.dp)}, shard_config(args))
-    return list(past) + global_losses(comm, losses, reports, args.dp), records
+            "losses": list(past) + global_losses(comm, losses, reports, shares)}, shard_config(args))
+    return list(past) + global_losses(comm, losses, reports, shares), records
 
 
-def global_losses(comm, losses, reports, dp):
-    """The global batch's losses: the mean of the replicas', which only their last stage knows
-    (`reports`: one rank of it). Reporting only: on the plain communicator, not counted."""
+def global_losses(comm, losses, reports, shares):
+    """The global batch's losses: the mean of the `shares` (replica, context rank) losses, which only
+    their last stage knows (`reports`: one rank of it). Reporting only: the plain communicator."""
     total = torch.tensor(losses if reports else [0.0] * len(losses), dtype=torch.float64)
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-    return (total / dp).tolist()
+    return (total / shares).tolist()
 
 
 def shard_config(args):
     """What a checkpoint's shards belong to: the grid that cut them, and the model."""
-    return {"grid": {"pp": args.pp, "dp": args.dp, "tp": args.tp}, "model": "GPT", "layers": args.layers,
+    return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "layout": args.layout,
+                     "zero_stage": args.zero_stage, "sequence_parallel": args.sequence_parallel}, "model": "GPT", "layers": args.layers,
             "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
 
 
@@ -696,14 +949,15 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         run = setup(comm, args)
         # Every rank writes the lists of all ranks and proves them on paper, so that all reach one
         # verdict; then each runs its own list, the one proven.
-        lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.tp)[0])
+        lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.cp, args.tp)[0])
                  for r in range(comm.Get_size())]
-        ideal, _ = dry_run(lists, args.dp, args.tp, args.micro_batches)
-        axes = make_grid(comm, args.pp, args.dp, args.tp)
-        counted = {axis: CountedComm(c, run.timeline) for axis, c in zip(("pipeline", "data", "tensor"), axes)}
-        stage = build_stage(args, counted["pipeline"], counted["tensor"], run.device)
-        optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-        buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+        ideal, _ = dry_run(lists, args.dp, args.cp, args.tp, args.micro_batches)
+        axes = make_grid(comm, args.pp, args.dp, args.cp, args.tp)
+        counted = {axis: CountedComm(c, run.timeline) for axis, c in axes.items()}
+        stage = build_stage(args, counted, run.device)
+        buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20, args.zero_stage == 1)
+        optimizer = ShardedSGD(buckets, args.lr) if buckets.zero else \
+            torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
         past, resumed = [], None
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
@@ -765,14 +1019,14 @@ def check(comm, args, device, losses, stage, counted):
     while not request.Test():
         time.sleep(POLL_S)  # the waiting ranks leave the cores to rank 0
     nn.utils.vector_to_parameters(flat, reference.parameters())
-    ref_stage = build_stage(args, counted["pipeline"], counted["tensor"], device, reference)
+    ref_stage = build_stage(args, counted, device, reference)
     diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), ref_stage)
     return comm.allreduce(diff, op=MPI.MAX)
 
 def print_header(comm, args, run, stage, buckets, resumed):
-    P, D, T, M = args.pp, args.dp, args.tp, args.micro_batches
+    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
     per_rank = comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
-    where = " ".join(f"{r}:{coordinates(r, D, T)}" for r in range(comm.Get_size()))
+    where = " ".join(f"{r}:{coordinates(r, D, C, T)}" for r in range(comm.Get_size()))
     stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
                         * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
     if resumed:
@@ -781,28 +1035,39 @@ def print_header(comm, args, run, stage, buckets, resumed):
     print0(comm, *run.header,
            f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
            f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
-           f"grid: pp {P} x dp {D} x tp {T} | rank: (pp, dp, tp) {where}",
+           f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) {where}",
            f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
-           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows",
+           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows"
+           + f", {args.seq_len // (C * T)} positions between its layers (sequence parallelism)" * args.sequence_parallel,
            f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
-           f"sequences of {args.seq_len} characters | schedule 1f1b, dry run of every rank's actions on the "
+           f"sequences of {args.seq_len} characters, each cut over {C} context-parallel ranks ({args.layout}: "
+           f"{args.seq_len // C} positions a rank) | schedule 1f1b, dry run of every rank's actions on the "
            f"grid: each send meets its receive, each group meets in its collectives, no deadlock",
            f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: "
-           f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB")
+           f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB" + (f" | ZeRO-1: each rank steps 1/{D * C} "
+           f"of every bucket (its momentum alone), all-gathers the rest" if buckets.zero else ""))
+
+FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis, its variant) -> (count, bytes)
+    ("pipeline", False): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x 4BSh"),
+    ("pipeline", True): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x 4BSh (sequence-parallel)"),
+    ("data", False): ("allreduces: one per bucket per (pp, tp) group", "D x C x 4W"),
+    ("data", True): ("reduce-scatters and all-gathers: one each per bucket per (pp, tp) group", "4W' x (D x C + 1)"),
+    ("context", False): ("messages L x M x D x C x T x (3C - 2)", "L x (3C - 2) x 8BSh"),
+    ("tensor", False): ("allreduces D x C x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
+    ("tensor", True): ("collectives D x C x M x (14L + 10)", "(4L + 2)(T + 1) x 4BSh + 12BST + 4MDCT(Sh + 6Lh + 2h)")}
 
 def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
-    P, D, T, M = args.pp, args.dp, args.tp, args.micro_batches
+    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
     measured = per_axis(comm, counted, max(1, len(records)))
     formula = formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
-                       comm.allgather(len(buckets.buckets)))
+                       comm.allgather(len(buckets.buckets)), comm.allgather(sum(buckets.padded)))
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
     theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
-    pipeline = [ideal[rank_at(p, 0, 0, D, T)] for p in range(P)]
+    pipeline = [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
     slots = max(e for row in pipeline for _, _, e in row)
-    text = {"pipeline": ("messages 2M(P - 1) x D x T", "2(P - 1) x T x 4BSh"),
-            "data": ("allreduces: one per bucket per (pp, tp) group", "D x 4W"),
-            "tensor": ("allreduces D x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]")}
+    variant = {"pipeline": args.sequence_parallel, "data": buckets.zero, "context": False, "tensor": args.sequence_parallel}
+    text = {axis: FORMULA_TEXT[axis, v] for axis, v in variant.items()}
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
@@ -812,11 +1077,12 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
              "communication per step, summed over the grid, measured | formula:",
              *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
                f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
-               for axis, k in (("pipeline", 1), ("data", 0), ("tensor", 0)))]
+               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0)))]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
         "comm_bytes_per_step": sum(m[2] for m in measured.values()),
         "collectives_per_step": sum(m[0] for m in measured.values()),
-        "grid": {"pp": P, "dp": D, "tp": T}, "micro_batches": M, "layer_split": layer_split(args.layers, P),
+        "grid": {"pp": P, "dp": D, "cp": C, "tp": T}, "layout": args.layout, "zero_stage": args.zero_stage,
+        "sequence_parallel": args.sequence_parallel, "micro_batches": M, "layer_split": layer_split(args.layers, P),
         "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
         "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
         "messages_per_step": measured["pipeline"][1],
@@ -847,22 +1113,29 @@ def per_axis(comm, counted, steps_run):
     counted once per group: its calls summed over the ranks, divided by the group's size."""
     out = {}
     for axis, c in counted.items():
-        calls = comm.allreduce(c.calls["Allreduce"] + c.calls["Iallreduce"]) / c.Get_size()
-        volume = comm.allreduce(c.bytes["Allreduce"] + c.bytes["Iallreduce"] + c.bytes["Isend"])
-        out[axis] = (calls / steps_run, comm.allreduce(c.calls["Isend"]) / steps_run, volume / steps_run)
+        collectives = ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather")
+        calls = comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
+        volume = comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
+        messages = comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
+        out[axis] = (calls / steps_run, messages / steps_run, volume / steps_run)
     return out
 
-def formulas(args, stage_params, stage_buckets):
-    """The docstring's formulas by axis: (collectives, messages, bytes) per step over the grid.
-    stage_params, stage_buckets: every rank's count of parameters and of gradient buckets."""
-    P, D, T, M = args.pp, args.dp, args.tp, args.micro_batches
+def formulas(args, stage_params, stage_buckets, stage_padded):
+    """The docstring's formulas by axis, (collectives, messages, bytes) per step over the grid, from every
+    rank's count of parameters, of gradient buckets, and of their elements padded for ZeRO-1 (stage_*)."""
+    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
     L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
-    activation, replicated = 4 * B * S * h, S * h + 6 * L * h + 2 * h
+    activation, replicated, zero = 4 * B * S * h, S * h + 6 * L * h + 2 * h, args.zero_stage == 1 and D * C > 1
     W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
-    assert sum(stage_params) == D * W  # what the ranks hold, added up
-    return {"pipeline": (0, 2 * M * (P - 1) * D * T, 2 * (P - 1) * T * activation),
-            "data": (sum(stage_buckets) // D * (D > 1), 0, D * 4 * W * (D > 1)),
-            "tensor": (D * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))}
+    assert sum(stage_params) == D * C * W  # what the ranks hold, added up
+    tensor = (D * C * M * (14 * L + 10), 0, (4 * L + 2) * (T + 1) * activation + 12 * B * S * T  # + the hooks' sums
+              + M * D * C * T * 4 * replicated) if args.sequence_parallel else \
+        (D * C * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))
+    return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * activation),
+            "data": ((sum(stage_buckets) // (D * C) * (D * C > 1), 0, D * C * 4 * W * (D * C > 1)) if not zero else
+                     (2 * sum(stage_buckets) // (D * C), 0, 4 * sum(stage_padded) + 4 * sum(stage_padded) // (D * C))),
+            "context": (0, L * M * D * C * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
+            "tensor": tensor}
 
 def draw_timeline(rows, slots, width):
     """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
@@ -875,34 +1148,54 @@ def draw_timeline(rows, slots, width):
     return lines
 
 def parse_args(argv, world_size):
-    p = common_arguments("Hybrid (pipeline x data x tensor) parallelism over MPI: a small GPT on Python's "
-                         "own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
+    p = common_arguments("Hybrid (pipeline x data x context x tensor) parallelism over MPI: a small GPT on "
+                         "Python's own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
     p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
     p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
     p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
     p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
     p.add_argument("--pp", type=COUNT, default=1, help="pipeline stages")
-    p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (pp x tp))")
+    p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (pp x cp x tp))")
+    p.add_argument("--cp", type=COUNT, default=1, help="context-parallel ranks: each holds S/C positions")
     p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel "
+                   "ranks outside their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"),
+                   help="context parallelism's positions: chunks c and 2C-1-c of 2C (zigzag), or the c-th of C")
     p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
                    "up to 4, that it splits into)")
     p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded "
+                   "over the D x C ranks of equal (pp, tp) (ZeRO-1: reduce-scatter, step a slice, all-gather)")
     args = check_common(p.parse_args(argv))
+    if args.precision != "fp32" or args.recompute != "none":
+        raise ConfigError(f"--precision {args.precision} --recompute {args.recompute}: hybrid_parallel.py offers "
+                          f"neither bf16 nor recomputation yet; use --precision fp32 --recompute none")
+    if args.sequence_parallel and args.tp == 1:
+        raise ConfigError("--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2 or more")
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
                           f"multiple of {args.heads}, or --heads that divides {args.hidden}")
     if args.seq_len > len(load_text()) - 2:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
-    P, D, T = args.pp, args.dp or max(1, world_size // (args.pp * args.tp)), args.tp
-    if P * D * T != world_size or args.heads % T or args.layers < P:
-        works = [f"--pp {world_size // (d * t)} --dp {d} --tp {t}" for d in range(1, world_size + 1)
-                 for t in range(1, world_size + 1) if world_size % (d * t) == 0
-                 and args.heads % t == 0 and world_size // (d * t) <= args.layers]
-        why = (f"--pp {P} --dp {D} --tp {T} make {P * D * T} ranks, this job has {world_size}" if P * D * T != world_size
-               else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
-               else f"--pp {P} stages need at least {P} --layers, got {args.layers}")
-        raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} "
-                          f"--layers {args.layers}: {'; '.join(works) or 'none'}")
+    P, C, T = args.pp, args.cp, args.tp
+    D = args.dp or max(1, world_size // (P * C * T))
+    chunks = (lambda c: 2 * c if c > 1 else 1) if args.layout == "zigzag" else (lambda c: c)  # equal chunks of S
+
+    def grid_fits(p, d, c, t):
+        return args.heads % t == 0 and p <= args.layers and args.seq_len % (chunks(c) * t ** args.sequence_parallel) == 0 \
+            and (t > 1 or not args.sequence_parallel)
+    if P * D * C * T != world_size or not grid_fits(P, D, C, T):
+        works = [f"--pp {world_size // (d * c * t)} --dp {d} --cp {c} --tp {t}" for d in range(1, world_size + 1)
+                 for c in range(1, world_size + 1) for t in range(1, world_size + 1)
+                 if world_size % (d * c * t) == 0 and grid_fits(world_size // (d * c * t), d, c, t)]
+        why = (f"--pp {P} --dp {D} --cp {C} --tp {T} make {P * D * C * T} ranks, this job has {world_size}"
+               if P * D * C * T != world_size else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
+               else f"--pp {P} stages need at least {P} --layers, got {args.layers}" if args.layers < P
+               else f"--seq-len {args.seq_len} does not split into the {chunks(C)} chunks of --cp {C} --layout {args.layout}"
+               + f" x the {T} pieces of --sequence-parallel" * args.sequence_parallel)
+        raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} --layers "
+                          f"{args.layers} --seq-len {args.seq_len}: {'; '.join(works[:8]) or 'none'}{f' and {len(works) - 8} more' * (len(works) > 8)}")
     args.dp, share = D, args.batch_size // D if args.batch_size % D == 0 else 0
     M = args.micro_batches = args.micro_batches or next((k for k in range(min(4, share), 0, -1) if share % k == 0), 1)
     if args.batch_size % (D * M):

@@ -20,46 +20,50 @@ TINY = ["--layers", "5", "--hidden", "16", "--heads", "4", "--seq-len", "8", "--
 
 
 def grids(n):
-    """Every (pp, dp, tp) with pp x dp x tp = n."""
-    return [(n // (d * t), d, t) for d in range(1, n + 1) for t in range(1, n + 1) if n % (d * t) == 0]
+    """Every (pp, dp, cp, tp) with pp x dp x cp x tp = n."""
+    return [(n // (d * c * t), d, c, t) for d in range(1, n + 1) for c in range(1, n + 1) for t in range(1, n + 1)
+            if n % (d * c * t) == 0]
 
 
-def lists(pp, dp, tp, m):
-    return [hp.one_f_one_b(pp, m, hp.coordinates(r, dp, tp)[0]) for r in range(pp * dp * tp)]
+def lists(pp, dp, cp, tp, m):
+    return [hp.one_f_one_b(pp, m, hp.coordinates(r, dp, cp, tp)[0]) for r in range(pp * dp * cp * tp)]
 
 
 # -----------------------------------------------------------------------------
 # The grid and the schedule, on paper
 # -----------------------------------------------------------------------------
-def test_grids_of_four_are_the_six_factorizations():
-    assert sorted(grids(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+def test_grids_of_four_are_every_axis_alone_and_every_pair():
+    assert sorted(grids(4)) == [(1, 1, 1, 4), (1, 1, 2, 2), (1, 1, 4, 1), (1, 2, 1, 2), (1, 2, 2, 1), (1, 4, 1, 1),
+                                (2, 1, 1, 2), (2, 1, 2, 1), (2, 2, 1, 1), (4, 1, 1, 1)]
 
 
-@pytest.mark.parametrize("pp,dp,tp", grids(8) + grids(12))
-def test_megatron_order_tp_consecutive_then_dp_then_pp(pp, dp, tp):
+@pytest.mark.parametrize("pp,dp,cp,tp", grids(8) + grids(12))
+def test_megatron_order_tp_consecutive_then_cp_then_dp_then_pp(pp, dp, cp, tp):
     seen = {}
-    for r in range(pp * dp * tp):
-        p, d, t = hp.coordinates(r, dp, tp)
-        assert hp.rank_at(p, d, t, dp, tp) == r and (p, d, t) not in seen
-        seen[(p, d, t)] = r
+    for r in range(pp * dp * cp * tp):
+        p, d, c, t = hp.coordinates(r, dp, cp, tp)
+        assert hp.rank_at(p, d, c, t, dp, cp, tp) == r and (p, d, c, t) not in seen
+        seen[(p, d, c, t)] = r
         if t > 0:
-            assert seen[(p, d, t - 1)] == r - 1  # tensor-parallel ranks are neighbours
-    assert len(seen) == pp * dp * tp
+            assert seen[(p, d, c, t - 1)] == r - 1  # tensor-parallel ranks are neighbours
+        if c > 0:
+            assert seen[(p, d, c - 1, t)] == r - tp  # then the context-parallel ones
+    assert len(seen) == pp * dp * cp * tp
 
 
-@pytest.mark.parametrize("pp,dp,tp", list(itertools.product(range(1, 5), repeat=3)))
-def test_dry_run_proves_1f1b_on_every_grid_up_to_4x4x4(pp, dp, tp):
-    for m in (1, 2, 3, 5, 8):
-        spans, peak = hp.dry_run(lists(pp, dp, tp, m), dp, tp, m)
+@pytest.mark.parametrize("pp,dp,cp,tp", [g for g in itertools.product(range(1, 5), repeat=4) if g[1] * g[2] * g[3] <= 16])
+def test_dry_run_proves_1f1b_on_every_grid_up_to_4x4x4x4(pp, dp, cp, tp):
+    for m in (1, 2, 3, 5):
+        spans, peak = hp.dry_run(lists(pp, dp, cp, tp, m), dp, cp, tp, m)
         slots = max(e for row in spans for _, _, e in row)
         assert 1 - 2 * m / slots == pytest.approx((pp - 1) / (m + pp - 1))
-        for r in range(pp * dp * tp):
-            p, d, t = hp.coordinates(r, dp, tp)
+        for r in range(pp * dp * cp * tp):
+            p, d, c, t = hp.coordinates(r, dp, cp, tp)
             assert peak[r] == min(m, pp - p)  # 1F1B's memory bound
-            assert spans[r] == spans[hp.rank_at(p, 0, 0, dp, tp)]  # a stage's ranks move together
+            assert spans[r] == spans[hp.rank_at(p, 0, 0, 0, dp, cp, tp)]  # a stage's ranks move together
             when = {label: s for label, s, _ in spans[r]}
             if p > 0:  # forward goes down the stages, backward comes back up
-                up = dict((label, e) for label, _, e in spans[hp.rank_at(p - 1, d, t, dp, tp)])
+                up = dict((label, e) for label, _, e in spans[hp.rank_at(p - 1, d, c, t, dp, cp, tp)])
                 assert all(when[f"F{i}"] >= up[f"F{i}"] for i in range(m))
 
 
@@ -71,7 +75,7 @@ def test_the_largest_tag_is_checked_against_what_the_library_allows():
             return 32767 if key == hp.MPI.TAG_UB else None
 
     for m in (1, 2, 5):
-        sent = [hp.tag(a.op, a.mb) for actions in lists(3, 1, 1, m) for a in actions if a.op.startswith("send_")]
+        sent = [hp.tag(a.op, a.mb) for actions in lists(3, 1, 1, 1, m) for a in actions if a.op.startswith("send_")]
         assert max(sent) == hp.tag("send_grad", m - 1) == 2 * m - 1
     hp.check_tags(Promised(), 16384)
     with pytest.raises(hp.ConfigError, match=r"--micro-batches 16385 needs message tags up to 32769, .* "
@@ -81,7 +85,7 @@ def test_the_largest_tag_is_checked_against_what_the_library_allows():
 
 def broken(kind):
     """The 2 x 2 x 2 grid's lists with one deliberate fault."""
-    good = lists(2, 2, 2, 2)  # pp, dp, tp, m
+    good = lists(2, 2, 1, 2, 2)  # pp, dp, cp, tp, m
     if kind == "tensor-parallel ranks disagree":  # rank 1 runs its forwards in another order
         i, j = good[1].index(hp.Action("forward", 0)), good[1].index(hp.Action("forward", 1))
         good[1][i], good[1][j] = good[1][j], good[1][i]
@@ -100,15 +104,25 @@ def broken(kind):
 @pytest.mark.parametrize("kind", ["tensor-parallel ranks disagree", "one replica skips the gradient allreduce",
                                   "send dropped", "backward before forward", "send past the last stage"])
 def test_dry_run_rejects_a_broken_grid(kind):
-    hp.dry_run(lists(2, 2, 2, 2), 2, 2, 2)  # the unbroken lists pass
+    hp.dry_run(lists(2, 2, 1, 2, 2), 2, 1, 2, 2)  # the unbroken lists pass
     with pytest.raises(hp.ScheduleError):
-        hp.dry_run(broken(kind), 2, 2, 2)
+        hp.dry_run(broken(kind), 2, 1, 2, 2)
 
 
 @pytest.mark.parametrize("argv,world_size,words", [
-    (["--dp", "3", "--tp", "2"], 4, ["--pp 1 --dp 3 --tp 2 make 6 ranks, this job has 4", "--pp 1 --dp 2 --tp 2"]),
-    (["--tp", "3"], 6, ["--tp 3 does not divide --heads 4", "--pp 1 --dp 3 --tp 2"]),
-    (["--pp", "8", "--layers", "4"], 8, ["--pp 8 stages need at least 8 --layers", "--pp 2 --dp 2 --tp 2"]),
+    (["--dp", "3", "--tp", "2"], 4, ["--pp 1 --dp 3 --cp 1 --tp 2 make 6 ranks, this job has 4",
+                                     "--pp 1 --dp 2 --cp 1 --tp 2"]),
+    (["--tp", "3"], 6, ["--tp 3 does not divide --heads 4", "--pp 1 --dp 3 --cp 1 --tp 2"]),
+    (["--pp", "8", "--layers", "4"], 8, ["--pp 8 stages need at least 8 --layers",
+                                              "--pp 4 --dp 1 --cp 1 --tp 2", "and 10 more"]),
+    (["--cp", "3", "--seq-len", "9"], 3, ["--seq-len 9 does not split into the 6 chunks of --cp 3 --layout zigzag",
+                                          "--pp 3 --dp 1 --cp 1 --tp 1"]),
+    (["--cp", "4", "--seq-len", "6", "--layout", "contiguous"], 4, ["does not split into the 4 chunks of --cp 4"]),
+    (["--precision", "bf16"], 1, ["offers neither bf16 nor recomputation yet"]),
+    (["--sequence-parallel"], 1, ["--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2"]),
+    (["--sequence-parallel", "--tp", "2", "--cp", "2", "--seq-len", "12"], 4,
+     ["--seq-len 12 does not split into the 4 chunks of --cp 2 --layout zigzag x the 2 pieces of --sequence-parallel"]),
+    (["--recompute", "full"], 1, ["offers neither bf16 nor recomputation yet"]),
     (["--batch-size", "6", "--dp", "2", "--micro-batches", "2"], 2, ["--batch-size 6", "--micro-batches 1, 3,",
                                                                       "multiple of 4"]),
     (["--tp", "0"], 1, ["--tp must be a positive integer"]),
@@ -174,20 +188,23 @@ def start_buckets_after_backward(buckets):
     buckets.start, buckets.finish = (lambda: None), late_finish
 
 
-def train_on(comm, pp, dp, tp, extra=(), remove_overlap=False):
+def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False, plant=None):
     """The pieces main() uses, without the report: (losses, max |diff| from the check, measured
     and formula counts per axis, the communicators' members as world ranks, the overlap counts of
     the last step, the Tests each send got, every rank's count of buckets)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
-    args = hp.parse_args(TINY + ["--pp", str(pp), "--dp", str(dp), "--tp", str(tp), *extra], comm.Get_size())
-    lists = [hp.one_f_one_b(pp, args.micro_batches, hp.coordinates(r, dp, tp)[0]) for r in range(comm.Get_size())]
-    hp.dry_run(lists, dp, tp, args.micro_batches)
+    args = hp.parse_args(TINY + ["--pp", str(pp), "--dp", str(dp), "--cp", str(cp), "--tp", str(tp), *extra],
+                         comm.Get_size())
+    lists = [hp.one_f_one_b(pp, args.micro_batches, hp.coordinates(r, dp, cp, tp)[0]) for r in range(comm.Get_size())]
+    hp.dry_run(lists, dp, cp, tp, args.micro_batches)
     timeline = hp.Timeline(CPU)
-    counted = {axis: hp.CountedComm(c, timeline)
-               for axis, c in zip(("pipeline", "data", "tensor"), hp.make_grid(comm, pp, dp, tp))}
-    stage = hp.build_stage(args, counted["pipeline"], counted["tensor"], CPU)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-    buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+    counted = {axis: hp.CountedComm(c, timeline) for axis, c in hp.make_grid(comm, pp, dp, cp, tp).items()}
+    stage = hp.build_stage(args, counted, CPU)
+    buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20, args.zero_stage == 1)
+    optimizer = hp.ShardedSGD(buckets, args.lr) if buckets.zero else \
+        torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    if plant:
+        plant(optimizer)
     sends = watch_sends(counted["pipeline"], wait_at_once=remove_overlap)
     if remove_overlap:
         start_buckets_after_backward(buckets)
@@ -195,60 +212,117 @@ def train_on(comm, pp, dp, tp, extra=(), remove_overlap=False):
     overlap = hp.overlap_counts(comm, timeline.step_events, args.micro_batches, buckets)
     measured = hp.per_axis(comm, counted, args.steps)
     formula = hp.formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
-                          comm.allgather(len(buckets.buckets)))
+                          comm.allgather(len(buckets.buckets)), comm.allgather(sum(buckets.padded)))
     members = [c.comm.allgather(world().Get_rank()) for c in counted.values()]
     diff = hp.check(comm, args, CPU, losses, stage, counted)
     return losses, diff, measured, formula, members, overlap, [r.tests for r in sends], \
-        comm.allgather(len(buckets.buckets))
+        comm.allgather(len(buckets.buckets)), optimizer
 
 
-def promised_overlap(pp, dp, tp, m, buckets):
+def promised_overlap(pp, dp, cp, tp, m, buckets):
     """What the lesson promises: in the last backward, every bucket's allreduce but a stage's last
     is posted before backward computes a later gradient; 1F1B computes after every send but those
-    that follow a stage's last backward: (2M - 1)(P - 1) of 2M(P - 1) sends per pipeline, D x T
+    that follow a stage's last backward: (2M - 1)(P - 1) of 2M(P - 1) sends per pipeline, D x C x T
     pipelines."""
-    return {"buckets_posted_before_later_gradients": [sum(b - 1 for b in buckets) * (dp > 1), sum(buckets) * (dp > 1)],
-            "sends_in_flight_during_compute": [(2 * m - 1) * (pp - 1) * dp * tp, 2 * m * (pp - 1) * dp * tp]}
+    n, pipelines = dp * cp > 1, dp * cp * tp
+    return {"buckets_posted_before_later_gradients": [sum(b - 1 for b in buckets) * n, sum(buckets) * n],
+            "sends_in_flight_during_compute": [(2 * m - 1) * (pp - 1) * pipelines, 2 * m * (pp - 1) * pipelines]}
 
 
-def assert_trains_like_one_process(comm, pp, dp, tp, extra=()):
-    losses, diff, measured, formula, members, overlap, tests, buckets = train_on(comm, pp, dp, tp, extra)
-    assert max_everywhere(diff, comm) <= hp.TOLERANCE, (pp, dp, tp)
+def assert_trains_like_one_process(comm, pp, dp, cp, tp, extra=()):
+    losses, diff, measured, formula, members, overlap, tests, buckets, _ = train_on(comm, pp, dp, cp, tp, extra)
+    assert max_everywhere(diff, comm) <= hp.TOLERANCE, (pp, dp, cp, tp, diff)
     assert agree(losses[-1] < losses[0], comm)
-    exact = all(measured[a][0] == formula[a][0] and measured[a][1] == formula[a][1]
-                and measured[a][2] == formula[a][2] for a in measured)
-    assert agree(exact, comm), (measured, formula)
+    exact = all(measured[a] == formula[a] for a in measured)
+    assert agree(exact and measured.keys() == formula.keys(), comm), (measured, formula)
     base = world().Get_rank() - comm.Get_rank()
-    p, d, t = hp.coordinates(comm.Get_rank(), dp, tp)
-    expect = [[base + hp.rank_at(q, d, t, dp, tp) for q in range(pp)],
-              [base + hp.rank_at(p, e, t, dp, tp) for e in range(dp)],
-              [base + hp.rank_at(p, d, u, dp, tp) for u in range(tp)]]
+    p, d, c, t = hp.coordinates(comm.Get_rank(), dp, cp, tp)
+    expect = [[base + hp.rank_at(q, d, c, t, dp, cp, tp) for q in range(pp)],
+              [base + hp.rank_at(p, e, b, t, dp, cp, tp) for e in range(dp) for b in range(cp)],
+              [base + hp.rank_at(p, d, b, t, dp, cp, tp) for b in range(cp)],
+              [base + hp.rank_at(p, d, c, u, dp, cp, tp) for u in range(tp)]]
     assert agree(members == expect, comm)  # each axis's communicator holds the right ranks, in order
-    assert agree(overlap == promised_overlap(pp, dp, tp, 2, buckets), comm), overlap
+    assert agree(overlap == promised_overlap(pp, dp, cp, tp, 2, buckets), comm), overlap
     assert agree(all(n > 0 for n in tests), comm), tests  # each send Tested during its step
+    return losses, measured
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("pp,dp,tp", grids(4))
-def test_every_grid_of_four_trains_like_one_process(pp, dp, tp):
+@pytest.mark.parametrize("pp,dp,cp,tp", grids(4))
+def test_every_axis_alone_and_every_pair_at_four_ranks_trains_like_one_process(pp, dp, cp, tp):
     with sub_comm(4) as comm:
         if comm is not None:
-            assert_trains_like_one_process(comm, pp, dp, tp)
+            assert_trains_like_one_process(comm, pp, dp, cp, tp)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("pp,dp,tp", grids(1) + grids(2))
-def test_every_grid_of_one_and_two_trains_like_one_process(pp, dp, tp):
-    with sub_comm(pp * dp * tp) as comm:
+@pytest.mark.parametrize("pp,dp,cp,tp", grids(1) + grids(2))
+def test_every_grid_of_one_and_two_trains_like_one_process(pp, dp, cp, tp):
+    with sub_comm(pp * dp * cp * tp) as comm:
         if comm is not None:
-            assert_trains_like_one_process(comm, pp, dp, tp)
+            assert_trains_like_one_process(comm, pp, dp, cp, tp)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp", [(1, 1, 4, 1), (1, 1, 2, 2), (2, 1, 2, 1)])
+def test_the_contiguous_layout_trains_like_one_process_and_moves_what_zigzag_moves(pp, dp, cp, tp):
+    """The layout changes which positions a rank holds and which blocks it skips, not the bytes:
+    every K/V block still goes round the whole ring."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            losses, measured = assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--layout", "contiguous"])
+            assert agree(measured["context"][2] > 0, comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(1, 4, 1, 1, []), (1, 2, 2, 1, ["--layout", "contiguous"]),
+                                               (2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)]), (1, 2, 1, 2, [])])
+def test_zero_1_trains_like_one_process_with_a_slice_of_the_momentum_on_each_rank(pp, dp, cp, tp, extra):
+    """ZeRO-1 over the D x C ranks: the same check and byte formulas as without it (a reduce-scatter
+    and an all-gather per bucket in place of an allreduce), and each rank's momentum is 1/(D x C) of
+    its buckets, padded."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--zero-stage", "1", *extra])
+            *_, optimizer = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
+            kept = sum(s["momentum_buffer"].numel() for s in optimizer.state_dict()["state"].values())
+            assert agree(kept == sum(optimizer.buckets.padded) // (dp * cp), comm)
+
+
+def skip_the_all_gather(optimizer):
+    """A planted bug: the all-gather replaced by copies of this rank's own slice, so that the updates
+    of the other slices never arrive."""
+    optimizer.buckets.comm.Allgather = lambda send, recv: recv[:].copy_(torch.cat([send] * (len(recv) // len(send))))
+
+
+@pytest.mark.mpi
+def test_zero_1_without_its_all_gather_fails_the_check():
+    with sub_comm(2) as comm:
+        if comm is not None:
+            diff = train_on(comm, 1, 2, 1, 1, ["--zero-stage", "1"], plant=skip_the_all_gather)[1]
+            assert max_everywhere(diff, comm) > 10 * hp.TOLERANCE
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(1, 1, 1, 4, []), (1, 1, 2, 2, []), (1, 1, 2, 2, ["--layout", "contiguous"]),
+                                               (2, 1, 1, 2, []), (1, 2, 1, 2, ["--zero-stage", "1"])])
+def test_sequence_parallelism_trains_like_one_process_and_its_bytes_match(pp, dp, cp, tp, extra):
+    """--sequence-parallel: all-gathers and reduce-scatters in place of f's and g's allreduces, the
+    sums of the replicated parameters' gradients, and pipeline messages of S/(C x T) positions."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            losses, measured = assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--sequence-parallel", *extra])
+            plain = train_on(comm, pp, dp, cp, tp, extra)
+            assert agree(max(abs(a - b) for a, b in zip(losses, plain[0])) <= hp.TOLERANCE, comm)
+            if pp > 1:  # each tensor-parallel rank sends 1/T of the activation it sent without
+                assert agree(measured["pipeline"][2] * tp == plain[2]["pipeline"][2], comm)
 
 
 @pytest.mark.mpi
 def test_small_buckets_give_one_allreduce_per_bucket():
     with sub_comm(4) as comm:
         if comm is not None:  # 2 KB buckets: several per rank, each one allreduce, all but the last posted before a later gradient
-            assert_trains_like_one_process(comm, 2, 2, 1, ["--bucket-mb", str(2 / 1024)])
+            assert_trains_like_one_process(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)])
 
 
 @pytest.mark.mpi
@@ -257,10 +331,10 @@ def test_the_overlap_counts_fall_when_the_overlap_is_removed():
     no bucket is posted before a later gradient and no send stays in flight while the rank computes."""
     with sub_comm(4) as comm:
         if comm is not None:
-            _, diff, *_, overlap, _, buckets = train_on(comm, 2, 2, 1, ["--bucket-mb", str(2 / 1024)],
+            _, diff, *_, overlap, _, buckets, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
                                                         remove_overlap=True)
             assert max_everywhere(diff, comm) <= hp.TOLERANCE
-            promised = promised_overlap(2, 2, 1, 2, buckets)
+            promised = promised_overlap(2, 2, 1, 1, 2, buckets)
             assert promised["buckets_posted_before_later_gradients"][0] >= 4 and promised["sends_in_flight_during_compute"][0] == 6
             assert agree(overlap == {"buckets_posted_before_later_gradients": [0, sum(buckets)],
                                      "sends_in_flight_during_compute": [0, 8]}, comm), overlap
@@ -278,9 +352,8 @@ def test_a_full_bucket_is_posted_before_the_last_backward_computes_the_next_buck
         if comm is not None:
             args = hp.parse_args(TINY + ["--dp", "2", "--steps", "1", "--bucket-mb", str(2 / 1024)], 2)
             timeline = hp.Timeline(CPU)
-            counted = {axis: hp.CountedComm(c, timeline)
-                       for axis, c in zip(("pipeline", "data", "tensor"), hp.make_grid(comm, 1, 2, 1))}
-            stage = hp.build_stage(args, counted["pipeline"], counted["tensor"], CPU)
+            counted = {axis: hp.CountedComm(c, timeline) for axis, c in hp.make_grid(comm, 1, 2, 1, 1).items()}
+            stage = hp.build_stage(args, counted, CPU)
             buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
             arrivals, posted, iallreduce = {}, [], counted["data"].Iallreduce
             clock = lambda: time.perf_counter() - timeline.origin_s  # noqa: E731 (the timeline's)
@@ -317,30 +390,43 @@ E2E = ["--layers", "3", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--b
 
 
 @pytest.mark.e2e
-def test_2x2x2_on_eight_ranks_staged_through_host_copies_passes_its_check_and_counts_match(tmp_path):
-    """STAGE_ALL=1 (tests/inject.py): every buffer handed to MPI is a host copy, as on a GPU whose MPI
-    cannot read its memory, so that the check proves every copy back on all three axes."""
-    out = launch("hybrid_parallel.py", 8, *E2E, "--pp", 2, "--dp", 2, "--tp", 2, "--steps", 3, "--json",
-                 "--trace", tmp_path / "trace.json", timeout=400, env=clean_env(STAGE_ALL=1))
+@pytest.mark.parametrize("grid", [{"pp": 1, "dp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 1, "cp": 2, "tp": 2,
+                                                                         "sequence-parallel": True},
+                                  {"pp": 2, "dp": 2, "cp": 2, "tp": 1, "zero-stage": 1}])
+def test_triples_on_eight_ranks_staged_through_host_copies_pass_their_check_and_counts_match(tmp_path, grid):
+    """Three axes at once on 8 ranks: data x context x tensor, pipeline x context x tensor with sequence
+    parallelism, pipeline x data x context with ZeRO-1. STAGE_ALL=1 (tests/inject.py): every buffer
+    handed to MPI is a host copy, as on a GPU whose MPI cannot read its memory, so that the check
+    proves every copy back."""
+    flags = [x for axis, size in grid.items() for x in ((f"--{axis}",) if size is True else (f"--{axis}", size))]
+    out = launch("hybrid_parallel.py", 8, *E2E, *flags, "--steps", 3, "--json", "--trace", tmp_path / "trace.json",
+                 timeout=400, env=clean_env(STAGE_ALL=1))
     result = last_json(out)
-    assert result["grid"] == {"pp": 2, "dp": 2, "tp": 2} and result["world_size"] == 8
+    pp, dp, cp, tp = (grid[a] for a in ("pp", "dp", "cp", "tp"))
+    assert result["grid"] == {"pp": pp, "dp": dp, "cp": cp, "tp": tp} and result["world_size"] == 8
+    assert result["zero_stage"] == grid.get("zero-stage", 0)
     assert result["check_max_abs_diff"] <= hp.TOLERANCE and "-> PASS" in out.stdout
     formula = result["formula_by_axis"]
-    for axis in ("pipeline", "data", "tensor"):
-        assert result["comm_bytes_per_step_by_axis"][axis] == formula[axis]["bytes"] > 0
+    assert set(result["comm_bytes_per_step_by_axis"]) == set(formula) == {"pipeline", "data", "context", "tensor"}
+    for axis, size in (("pipeline", pp), ("data", dp * cp), ("context", cp), ("tensor", tp)):
+        assert result["comm_bytes_per_step_by_axis"][axis] == formula[axis]["bytes"]
+        assert (formula[axis]["bytes"] > 0) == (size > 1), axis
         assert result["collectives_per_step_by_axis"][axis] == formula[axis]["collectives"]
-    assert result["collectives_per_step_by_axis"]["tensor"] == 2 * 2 * (4 * 3 + 5)  # D x M x (4L + 5)
-    assert result["messages_per_step"] == 2 * 2 * 1 * 2 * 2  # 2M(P-1) x D x T
-    assert result["bubble_fraction_theory"] == pytest.approx(1 / 3)
-    assert result["overlap"] == promised_overlap(2, 2, 2, 2, [1] * 8)  # one 25 MB bucket a rank
+    assert result["sequence_parallel"] == grid.get("sequence-parallel", False)
+    per_micro_batch = (14 * 3 + 10) if result["sequence_parallel"] else (4 * 3 + 5) * (tp > 1)  # 14L + 10, or 4L + 5
+    assert result["collectives_per_step_by_axis"]["tensor"] == dp * cp * 2 * per_micro_batch  # x D x C x M
+    assert result["messages_per_step"] == 2 * 2 * (pp - 1) * dp * cp * tp  # 2M(P-1) x D x C x T
+    assert result["overlap"] == promised_overlap(pp, dp, cp, tp, 2, [1] * 8)  # one 25 MB bucket a rank
     assert len(result["peak_memory_bytes_per_rank"]) == 8
-    assert "(pp, dp, tp) 0:(0, 0, 0) 1:(0, 0, 1) 2:(0, 1, 0) 3:(0, 1, 1) 4:(1, 0, 0)" in out.stdout
     assert (tmp_path / "trace.json").exists()
+    if grid == {"pp": 1, "dp": 2, "cp": 2, "tp": 2}:
+        assert "(pp, dp, cp, tp) 0:(0, 0, 0, 0) 1:(0, 0, 0, 1) 2:(0, 0, 1, 0) 3:(0, 0, 1, 1) 4:(0, 1, 0, 0)" in out.stdout
 
 
 @pytest.mark.e2e
 def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
-    grid = ["--pp", 2, "--dp", 1, "--tp", 2]
+    """On a grid of pipeline, context and ZeRO-1 (each rank's checkpoint holds its slice of the momentum)."""
+    grid = ["--pp", 2, "--dp", 1, "--cp", 2, "--tp", 1, "--zero-stage", 1]
     run = [*E2E, "--steps", 4, "--save-every", 2, "--save", tmp_path, "--no-check", "--json"]
     whole = last_json(launch("hybrid_parallel.py", 4, *run, *grid))
     final = {f.name: torch.load(f, weights_only=True) for f in sorted((tmp_path / "step-000004").glob("*.pt"))}
@@ -355,9 +441,9 @@ def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
         moment = [s["momentum_buffer"] for s in final[name]["optimizer"]["state"].values()]
         assert all(torch.equal(a, s["momentum_buffer"]) for a, s in
                    zip(moment, again[name]["optimizer"]["state"].values()))
-    other = launch("hybrid_parallel.py", 4, *run, "--steps", 6, "--pp", 2, "--dp", 2, "--tp", 1, "--resume",
-                   timeout=120)
-    assert_refused(other, "'grid': {'pp': 2, 'dp': 1, 'tp': 2}")
+    other = launch("hybrid_parallel.py", 4, *run, "--steps", 6, "--pp", 2, "--dp", 2, "--tp", 1, "--zero-stage", 1,
+                   "--resume", timeout=300)
+    assert_refused(other, "'grid': {'pp': 2, 'dp': 1, 'cp': 2, 'tp': 1, 'layout': 'zigzag', 'zero_stage': 1}")
 
 
 @pytest.mark.e2e
