@@ -60,9 +60,7 @@ memory traffic at HBM speed, memory fragmentation (a grid fits when its total is
 """
 import argparse
 import dataclasses
-import itertools
 import json
-import math
 import os
 import sys
 

@@ -147,11 +147,12 @@ def test_json_plans_fit_and_come_best_first():
 # The measured peak (the resident set over training less the baseline before the model) holds what
 # plan.py counts plus the process's own memory (MPI's buffers, autograd's temporaries), and misses
 # what a step never holds at once (the momentum appears after the first backward, whose activations
-# are gone by then). Seen: in the tiny runs above, peaks 2.6 to 5.6 MB where plan.py counts 0.07 to
-# 0.4 MB (the largest excess 5.25 MB, expert_parallel.py's rank 0); in the larger GPT of the benchmark,
-# from 7% below plan.py (tensor_parallel.py, N = 2) to 5% above (ZeRO stage 1); launched at 4 x 128
-# hidden (batch 16 x 64), tensor N = 1 and 2 and 1F1B N = 2 were 3 to 5 MB above it.
-MEMORY_BOUND = 0.10, 5.5e6   # |measured - plan| <= 10% of plan + 5.5 MB
+# are gone by then). Seen: in the tiny runs above, peaks 2.6 to 5.7 MB where plan.py counts 0.07 to
+# 0.4 MB (the largest excess 5.25 and 5.41 MB in two launches, expert_parallel.py's rank 0: 6 MB
+# leaves 0.6 MB for a run's variation); in the larger GPT of the benchmark, from 7% below plan.py
+# (tensor_parallel.py, N = 2) to 5% above (ZeRO stage 1); launched at 4 x 128 hidden (batch 16 x 64),
+# tensor N = 1 and 2 and 1F1B N = 2 were 3 to 5 MB above it.
+MEMORY_BOUND = 0.10, 6e6   # |measured - plan| <= 10% of plan + 6 MB
 # Step time, calibrated on the benchmark's tensor_parallel.py (N = 2, 1 thread a rank on 2 cores, load
 # about 4), predicts its 1F1B at -4.7%, ZeRO stage 1 at +12.1% and stage 3 at -7.7% of the measured
 # median (their rounds spread 8 to 15%).
@@ -188,7 +189,8 @@ def test_memory_per_rank_bounds_the_benchmarks_peaks():
 
 
 def test_a_memory_formula_without_activations_breaks_the_bound(monkeypatch):
-    """The planted error: activations forgotten, the bound fails on the benchmark's tensor run."""
+    """The planted error: activations forgotten (22.7 of the 42 MB), the bound fails on the benchmark's
+    tensor run."""
     result = bench_large()["tensor_parallel.py"]
     monkeypatch.setattr(plan, "block_activations", lambda *a: 0)
     predicted = plan.memory(LARGE, plan.grid_of_run(result), 16, "fp32", "none", "sgd", 0)["total"]
