@@ -6,7 +6,7 @@ environment asks for one of these:
 
 FAIL_AT=RANK:STEP:HOW  (RANK a number, or * for every rank) at the start of step STEP (when the
     checkpoint_if_due() of the step before returns): raise an exception, kill (SIGKILL), or nudge
-    (move one parameter by ten times the script's tolerance: the check must FAIL).
+    (move one parameter by ten times the script's tolerance in the run's precision: the check must FAIL).
 FAIL_AT=RANK:STEP:HOW:save  while that rank writes the checkpoint of step STEP: kill, or oserror
     (the write fails as on a full disk).
 STAGE_ALL=1  every buffer handed to MPI is a host copy, as on a GPU with an MPI that cannot read
@@ -57,8 +57,9 @@ def plant_failure(module, spec):
             os.kill(os.getpid(), signal.SIGKILL)
         if how != "nudge":
             raise RuntimeError(f"planted failure (FAIL_AT={spec})")
+        tolerance = module.TOLERANCE_BF16 if args.precision == "bf16" else module.TOLERANCE  # the run's own
         with torch.no_grad():
-            stepped[-1].param_groups[0]["params"][0].view(-1)[0] += 10 * module.TOLERANCE
+            stepped[-1].param_groups[0]["params"][0].view(-1)[0] += 10 * tolerance
     module.checkpoint_if_due = failing_checkpoint
 
 
