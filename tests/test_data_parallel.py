@@ -378,10 +378,11 @@ def test_trace_is_chrome_trace_json_with_one_track_per_rank(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_nudged_parameter_makes_the_check_fail():
-    """The launch-level negative control: every rank moves one weight by 10x the tolerance at
-    the last step; the check must say FAIL and the job exit 1."""
-    result = launch("data_parallel.py", 2, "--steps", "3", "--batch-size", "8",
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_nudged_parameter_makes_the_check_fail(precision):
+    """The launch-level negative control: every rank moves one weight by 10x the tolerance of the
+    run's precision at the last step; the check must say FAIL and the job exit 1."""
+    result = launch("data_parallel.py", 2, "--steps", "3", "--batch-size", "8", "--precision", precision,
                     env=clean_env(FAIL_AT="*:2:nudge"))
     assert result.returncode == 1 and "-> FAIL" in result.stdout, result.stdout + result.stderr
 
