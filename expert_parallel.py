@@ -25,51 +25,51 @@ dense parameters (attention, embeddings, LayerNorms, routers), is whole on every
   after backward: dense gradients:  Allreduce over all N ranks, / N
                   expert gradients: Allreduce over the N/P ranks holding the same expert, / N
 
-Why / N and not / (N/P): every rank's loss is the mean over its own tokens and the step's loss is
-the mean of the N ranks' losses. With N = 4 and P = 2, expert E0 lives on ranks 0 and 2: rank 0's
-copy receives the gradients of the tokens of ranks 0 and 1, rank 2's those of ranks 2 and 3. Their
-sum holds the terms of all 4 losses, and the gradient of their mean is that sum / 4. Dividing by the
-2 copies steps every expert with twice its gradient (P times, in general): a learning rate P times
-too large for the experts alone, and no error anywhere.
+The router: softmax and top k in float32 (a stable sort: the lowest index wins a tie), the gates the
+chosen probabilities. A near-tie can fall otherwise in one process than in N, and one token sent
+elsewhere moves the run by far more than rounding: the run prints the smallest top-k gap, and
+--check's one process follows the ranks' choices, its own preference held to the tolerance. Load
+balance, Switch's: aux = alpha E sum_i f_i P_i, f_i the share of (token, choice) pairs choosing i
+over all N ranks (an Allreduce of E counts a layer), P_i its mean probability. Capacity: dropless by
+default; --capacity-factor C: at most ceil(C k n / E) pairs an expert from each rank's n tokens, the
+first in token order, the rest dropped (the residual carries the token on) and counted.
 
-The router: softmax in float32 (whatever the model's precision), the top k by a stable sort (the
-lowest expert index wins a tie, on every rank alike), the gates the chosen probabilities. A choice
-closer than rounding can flip between one process and N, and one token sent elsewhere moves the run
-by far more than rounding: the run prints the smallest gap between the k-th and (k+1)-th
-probability, and --check's one process follows the ranks' choices, its own preference for other
-experts held to the tolerance. Load balance, Switch's form: aux = alpha E sum_i f_i P_i, f_i the
-share of the (token, choice) pairs that chose expert i (sum_i f_i = 1), P_i the mean router
-probability of expert i; balanced routing gives alpha, whatever k. Others normalise otherwise:
-GShard's paper takes the mean over experts, (1/E) sum_i f_i P_i with f counting first choices only
-(balanced: 1/E^2), and Mixtral's (as Hugging Face's transformers computes it) E sum_i F_i P_i with
-F_i the share of the tokens that chose i (sum_i F_i = k: k times this file's). f is counted over all
-N ranks' tokens (one Allreduce of E counts per layer): a mean of the ranks' products f_i P_i is not
-the product of the means. P needs no exchange: it is a mean over tokens, and the gradient allreduce
-takes the mean over the ranks. So every N and P train one loss.
+Precision (--precision bf16): torch.autocast(bfloat16) around the forward and the loss, on the ranks
+and in --check's one process. The parameters stay float32 (master weights): autocast casts each to
+bf16 as a matmul uses it and autograd keeps that copy; gradients land in float32, momentum is float32.
+Float32 also: the residual stream (so the LayerNorms), the router (autocast off: bf16 logits flip
+choices), attention's softmax and the loss (.float(): on the CPU autocast leaves softmax in its
+input's dtype), the gated sum. MPI buffers: the Alltoallv rows bf16 (the expert's first matmul casts
+them anyway: cast first, the same bits in half the bytes), the counts int64, the gradient Allreduces
+float32 (see average_gradients). fp16 would need loss scaling: not offered.
 
-Capacity: dropless by default (Alltoallv carries any number of rows). --capacity-factor C lets an
-expert take at most ceil(C k n / E) pairs from each rank's n tokens, the first in token order (a
-token's choices in their order); the others are dropped (the residual carries the token on) and
-counted. C counts as the decimal written: 1.1 x 90 / 3 is 33 (in floats 33.00000000000001, whose
-ceiling is 34).
+Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's
+inputs by save_for_backward (where the saved-tensor hooks that measure activations see them, unlike
+the non-reentrant form), runs fn without autograd, and in backward reruns it in the forward's autocast
+state. full: each block from its input; its exchanges (router Allreduce, counts Alltoall, dispatch,
+combine) run again in backward. selective: attention's core (scores, mask, softmax, x V) from q, k, v.
 
-Communication per step, L blocks, n = (B/N) T tokens per rank, hidden h, float32, on average per rank:
-  Alltoallv: 4 per block (dispatch and combine, both again reversed in backward), 4 L k n h x 4
-             bytes without drops, a rank's own rows included (those stay home: 1/P of them when
-             the routing is balanced, more or fewer as it leans to this rank's experts or away)
-  Alltoall of the counts and Allreduce of the router's counts: L x E x 8 bytes each
-  Allreduce of the dense gradients (D parameters): 4 D bytes, over N ranks
-  Allreduce of the expert gradients (X parameters an expert): 4 (E/P) L X bytes, over N/P ranks
-Memory: each rank holds (E/P) L X expert parameters and the D dense ones.
+Communication per step, L blocks, n = (B/N) T tokens a rank, hidden h, d pairs dropped a rank, p = 2
+bytes in bf16 else 4, r = 6 with --recompute full (the forward's two again) else 4; mean per rank:
+  Alltoallv: r L (k n - d) h p bytes, a rank's own rows included (1/P of them when balanced)
+  Alltoall of the counts, Allreduce of the router's counts: L E 8 bytes each (twice with full)
+  Allreduce of the dense gradients (D parameters): 4 D bytes over N ranks; of the expert gradients
+    (X parameters an expert): 4 (E/P) L X bytes over N/P ranks. A rank holds (E/P) L X + D parameters.
+Activations (saved for backward in one forward, each storage once, weights and their bf16 copies
+aside), mean per rank; b = B/N, s = T, a heads, m = k n - d rows a rank's experts get on average,
+float32 parts 4 bytes whatever p, indices 8:
+  a block, none: 12nh (the residual twice, the router's input) + 16n (LayerNorm statistics) + 5pnh
+    (inputs of qkv, proj; q k v) + s^2 (mask) + 4as^2b (softmax) [+ 2as^2b in bf16: its copy for
+    x V] + 16nE + 4E (router) + 32m + 9pmh (indices; experts' inputs, GELU's) + pknh (outputs)
+  selective: none less s^2 + 4as^2b [+ 2as^2b]; full: 4nh (its input). Beyond the blocks: 8bs + 8s
+    + 4nh + 16n + pnh (indices, final LayerNorm, targets, head's input) + 4nV + 4 (loss, V = 128)
 
-When to choose it: the parameters are mostly experts, too many to replicate on every device, and
-the ranks of a group have all-to-all bandwidth (NVLink within a node, or a fabric built for it):
-every MoE layer waits for two exchanges forward and two backward, each touching every rank of the
-group. --ep 1 is data parallelism with every expert on every rank: its all-to-alls only hand each
-rank's rows back to itself (the baseline to measure --ep P against).
+When to choose it: the parameters are mostly experts, too many to replicate on every device, and the
+ranks of a group have all-to-all bandwidth (NVLink, or a fabric built for it): every MoE layer waits
+for two exchanges forward and two backward, each touching every rank of the group. --ep 1 is data
+parallelism with every expert on every rank (the baseline for --ep P).
 
 The text: the standard library's argparse.py, textwrap.py and shlex.py, bytes >= 128 as '?'.
-
 Run:  mpirun -np 4 python expert_parallel.py            (add --help for the flags)
 """
 import argparse
@@ -81,7 +81,6 @@ import errno
 import fractions
 import hashlib
 import importlib.util
-import io
 import json
 import math
 import os
@@ -97,6 +96,7 @@ import zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
@@ -104,11 +104,11 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "expert_parallel"
-# Largest |difference| allowed against single-process training (float32). Measured: the default model
-# over 50 steps 9.5e-7, 7.2e-7, 8.0e-7 (--ep 1), 4.8e-7 at N = 1 to 4; the tests' small one with a
-# capacity 7.2e-7 (9.5e-7 and 1.6e-6 at most before the embeddings' std 1, over N <= 4). A wrong
-# divisor gives 2e-2 in 3 steps.
+# Largest |difference| allowed against single-process training. Measured in float32: the default model over 50 steps
+# 9.5e-7, 7.2e-7, 8.0e-7 (--ep 1), 4.8e-7 at N = 1 to 4, the tests' small one 7.2e-7 (a wrong divisor: 2e-2 in 3 steps);
+# in bf16: 1.9e-3 at N = 4 (its own top 2 differed at 145 token-layers, by 9.7e-5), the tests' 4.0e-4 at most, N <= 4.
 TOLERANCE = 2e-5
+TOLERANCE_BF16 = 5e-3
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 VOCAB = 128  # the ASCII codes
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
@@ -121,14 +121,18 @@ def route(tokens, router, top_k):
     """The router in float32: every expert's probability for each token, the top_k experts of each
     token by a stable sort (the lowest index wins a tie), their probabilities as the gates, and the
     smallest gap between a token's k-th and (k+1)-th probability."""
-    probs = F.linear(tokens.float(), router.weight.float()).softmax(dim=-1)
+    with torch.autocast(tokens.device.type, enabled=False):  # bf16 rounding would flip choices
+        probs = F.linear(tokens.float(), router.weight.float()).softmax(dim=-1)
     ranked, order = probs.sort(dim=-1, descending=True, stable=True)
-    return probs, order[:, :top_k], ranked[:, :top_k], (ranked[:, top_k - 1] - ranked[:, top_k]).min()
+    return probs, order[:, :top_k], ranked[:, :top_k], (ranked[:, top_k - 1] - ranked[:, top_k]).detach().min()
 
 
 def load_balancing_loss(probs, choice, num_experts, coef, comm):
     """Switch's alpha E sum_i f_i P_i, f the shares of all ranks' (token, choice) pairs (one Allreduce
-    of E counts), P from this rank's tokens. Returns the loss and all ranks' counts (the load)."""
+    of E counts: a mean of the ranks' products f_i P_i is not the product of the means), P from this
+    rank's tokens (the gradient allreduce takes its mean). Balanced routing gives alpha, whatever k;
+    GShard takes (1/E) sum_i f_i P_i, f of first choices; Mixtral's (as Hugging Face's transformers
+    computes it) is k times this. Returns the loss and all ranks' counts (the load)."""
     counts = torch.bincount(choice.reshape(-1), minlength=num_experts)
     if comm is not None:
         buffer = mpi_buffer(counts)
@@ -140,10 +144,8 @@ def load_balancing_loss(probs, choice, num_experts, coef, comm):
 
 def expert_capacity(capacity_factor, top_k, n, num_experts):
     """ceil(C k n / E) pairs per expert from one rank's n tokens, exactly (C as the decimal the user
-    wrote, not as its float); None (dropless) without a capacity factor."""
-    if capacity_factor is None:
-        return None
-    return math.ceil(fractions.Fraction(repr(capacity_factor)) * top_k * n / num_experts)
+    wrote: 1.1 x 90 / 3 is 33, in floats 33.00000000000001); None (dropless) without a capacity factor."""
+    return None if capacity_factor is None else math.ceil(fractions.Fraction(repr(capacity_factor)) * top_k * n / num_experts)
 
 
 def within_capacity(choice, num_experts, capacity):
@@ -158,13 +160,12 @@ def within_capacity(choice, num_experts, capacity):
 
 def all_to_all(rows, send_rows, recv_rows, comm):
     """MPI_Alltoallv of the rows of a matrix: send_rows[j] consecutive rows to rank j, in rank
-    order; recv_rows[i] rows from rank i, in rank order."""
-    width = rows.size(1)
-    out = rows.new_empty(sum(recv_rows), width)
+    order; recv_rows[i] rows from rank i, in rank order. In bytes: MPI has no bfloat16."""
+    out = rows.new_empty(sum(recv_rows), rows.size(1))
     send, recv = mpi_buffer(rows.detach().contiguous()), receive_buffer(out)
-    counts = [[r * width for r in numbers] for numbers in (send_rows, recv_rows)]
-    offsets = [[sum(c[:j]) for j in range(len(c))] for c in counts]  # in elements, as the counts
-    comm.Alltoallv([send, (counts[0], offsets[0])], [recv, (counts[1], offsets[1])])
+    counts = [[r * rows.size(1) * rows.element_size() for r in numbers] for numbers in (send_rows, recv_rows)]
+    offsets = [[sum(c[:j]) for j in range(len(c))] for c in counts]
+    comm.Alltoallv([send, (counts[0], offsets[0]), MPI.BYTE], [recv, (counts[1], offsets[1]), MPI.BYTE])
     return from_mpi(out, recv)
 
 
@@ -196,40 +197,42 @@ def dispatch_and_run(tokens, choice, keep, experts, comm):
     comm.Alltoall(send, recv)  # each rank gets the counts of its own experts from every rank
     from_mpi(received, recv)
     send_rows, recv_rows = sent.view(size, local).sum(1).tolist(), received.view(size, local).sum(1).tolist()
-    rows = AllToAll.apply(tokens[pairs // k], send_rows, recv_rows, comm)  # dispatch
-    # The rows arrive by source rank, within one by expert: regroup them expert by expert, run
-    # each expert once on all of its rows, and put the outputs back in the order of arrival.
-    # A toy: 2 ranks, experts 0 1 on rank 0 and 2 3 on rank 1, top-1, 3 tokens a rank.
-    #   rank 0: tokens a b c choose 2 0 3; by expert b a c; sent [1 0 1 1]: b to rank 0, a c to rank 1
-    #   rank 1: tokens d e f choose 1 2 0; by expert f d e; sent [1 1 1 0]: f d to rank 0, e to rank 1
-    #   rank 1 receives a c (rank 0's) then e (its own): received [1 1 1 0] (rank 0's for experts
-    #   2 3, then its own); by_expert reorders them a e | c, expert 2 runs on a e and expert 3 on c,
-    #   the argsort puts the outputs back as a c e, and the combine returns a c to rank 0, e to
-    #   itself. Rank 0 gets back b, then a c, the order in which they left: index_copy puts each
-    #   output at its pair (b is pair 1, a pair 0, c pair 2), zero where capacity dropped one.
+    rows = tokens[pairs // k]
+    if torch.is_autocast_enabled(rows.device.type):  # bf16: the expert's first matmul would cast
+        rows = rows.to(torch.get_autocast_dtype(rows.device.type))  # the rows: cast first, half the bytes
+    rows = AllToAll.apply(rows, send_rows, recv_rows, comm)  # dispatch
+    # The rows arrive by source rank, within one by expert: regroup them expert by expert, run each
+    # expert once on all its rows, and put the outputs back in the order of arrival. A toy: 2 ranks,
+    # experts 0 1 on rank 0 and 2 3 on rank 1, top-1, 3 tokens a rank. Rank 0's tokens a b c choose
+    # 2 0 3: by expert b a c, sent [1 0 1 1] (b to rank 0, a c to rank 1); rank 1's d e f choose
+    # 1 2 0: f d e, sent [1 1 1 0]. Rank 1 receives a c, then its own e: received [1 1 1 0];
+    # by_expert reorders them a e | c, expert 2 runs on a e and 3 on c, the argsort puts the outputs
+    # back as a c e, and the combine returns a c to rank 0. Rank 0 gets back b, a c, the order they
+    # left in: index_put puts each output at its pair (b is 1, a 0, c 2), zero for a dropped one.
     pieces = torch.arange(len(rows), device=rows.device).split(received.tolist())
     by_expert = torch.cat([pieces[i * local + e] for e in range(local) for i in range(size)])
     sizes = received.view(size, local).sum(0).tolist()
     out = torch.cat([expert(x) for expert, x in zip(experts, rows[by_expert].split(sizes))])
     out = AllToAll.apply(out[by_expert.argsort()], recv_rows, send_rows, comm)  # combine
-    return tokens.new_zeros(choice.numel(), tokens.size(1)).index_copy(0, pairs, out)
+    return out.new_zeros(choice.numel(), tokens.size(1)).index_put((pairs,), out)  # (index_copy would save out)
 
 
 def average_gradients(model, comm, replica_comm):
-    """After backward: the dense gradients summed over all N ranks, each expert's over the N/P
-    ranks that hold it, and both divided by N (see the docstring: N, not N/P)."""
+    """After backward: the dense gradients summed over all N ranks, each expert's over the N/P ranks
+    that hold it, both / N. Why N, not N/P: the step's loss is the mean of the N ranks' losses; with
+    N = 4, P = 2, expert E0's copies on ranks 0 and 2 get the gradients of ranks 0 and 1's tokens and
+    of 2 and 3's: their sum holds all 4 losses' terms, the mean's gradient is sum / 4, and / (N/P)
+    would step the experts P times too far, with no error. Float32 in bf16 too (Megatron's default):
+    MPI has no bfloat16 arithmetic (MPICH refuses MPI.SUM on it); bf16 gradients would halve the bytes
+    and their memory, and lose small contributions summed into large ones."""
     experts = expert_parameters(model)
-    expert_ids = {id(p) for p in experts}
-    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    dense = [p for p in model.parameters() if all(p is not e for e in experts)]
     for params, over in ((dense, comm), (experts, replica_comm)):
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # float32, in bf16 too (see the docstring)
         buffer = mpi_buffer(flat)
         over.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-        flat = from_mpi(flat, buffer) / comm.Get_size()
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for p, grad in zip(params, (from_mpi(flat, buffer) / comm.Get_size()).split([p.numel() for p in params])):
+            p.grad.copy_(grad.view_as(p))
 
 
 def expert_groups(comm, ep):
@@ -250,11 +253,12 @@ def expert_parallel(model, ep_comm, stats_comm):
     return model
 
 
-def train_step(model, optimizer, x, y, comm, replica_comm, timeline):
-    """One step on this rank's slice of the batch. Returns this rank's loss."""
+def train_step(model, optimizer, x, y, comm, replica_comm, timeline, meter, bf16):
+    """One step on this rank's slice of the batch (in bf16: autocast, see the docstring), the
+    forward measured by meter. Returns this rank's loss."""
     optimizer.zero_grad(set_to_none=False)
-    with timeline.span("compute", "forward"):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + sum(m.aux for m in moe_layers(model))
+    with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + sum(m.aux for m in moe_layers(model))
     with timeline.span("compute", "backward"):
         loss.backward()
     average_gradients(model, comm, replica_comm)
@@ -271,12 +275,11 @@ def train_step(model, optimizer, x, y, comm, replica_comm, timeline):
 CUDA_AWARE = False
 
 
-def mpi_buffer(t, nonblocking=False):
-    """The buffer to hand MPI for t: t itself, or a pinned host copy. Open MPI's non-blocking
-    collectives never read GPU memory, CUDA-aware or not, so those are always staged."""
+def mpi_buffer(t):
+    """The buffer to hand MPI for t: t itself, or a pinned host copy (all calls here are blocking)."""
     if not t.is_cuda:
         return t
-    if CUDA_AWARE and not nonblocking:
+    if CUDA_AWARE:
         done = torch.cuda.Event()
         done.record()
         done.synchronize()  # the kernels that write t must finish first (not the whole device)
@@ -291,9 +294,7 @@ def receive_buffer(t):
 
 def from_mpi(t, buffer):
     """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
-    if buffer is not t:
-        t.copy_(buffer)
-    return t
+    return t if buffer is t else t.copy_(buffer)
 
 
 # -----------------------------------------------------------------------------
@@ -320,11 +321,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden) for _ in range(num_experts))
         self.num_experts, self.top_k, self.aux_coef, self.capacity_factor = num_experts, top_k, aux_coef, capacity_factor
-        self.ep_comm = self.stats_comm = None
-        self.aux = self.load = None  # the last forward's load-balancing loss and choices per expert
-        # For the report and --check, not the strategy: the last forward's choices, the first
-        # forward's load, and over the run the pairs dropped and the router's smallest top-k gap.
-        self.choice = self.first_load = None
+        self.ep_comm = self.stats_comm = self.aux = None  # aux: the last load-balancing loss (Block sets it)
+        # For the report and --check: the last forward's load, choices, pairs kept, top-k gap (see tally())
+        self.load = self.choice = self.keep = self.gap = self.first_load = None
         self.register_buffer("dropped", torch.tensor(0), persistent=False)
         self.register_buffer("min_gap", torch.tensor(math.inf), persistent=False)
 
@@ -333,26 +332,40 @@ class MoE(nn.Module):
         probs, choice, gate, gap = route(tokens, self.router, self.top_k)
         capacity = expert_capacity(self.capacity_factor, self.top_k, len(tokens), self.num_experts)
         keep = within_capacity(choice, self.num_experts, capacity)
-        self.aux, self.load = load_balancing_loss(probs, choice, self.num_experts, self.aux_coef, self.stats_comm)
+        aux, self.load = load_balancing_loss(probs, choice, self.num_experts, self.aux_coef, self.stats_comm)
         outputs = dispatch_and_run(tokens, choice, keep, list(self.experts.values()), self.ep_comm)
-        outputs, gate = outputs.view(*choice.shape, -1), gate.to(tokens.dtype).unsqueeze(-1)
-        y = gate[:, 0] * outputs[:, 0]
+        outputs, gate = outputs.view(*choice.shape, -1), gate.unsqueeze(-1)
+        y = gate[:, 0] * outputs[:, 0]  # float32 gates: the sum is float32 in bf16 too
         for c in range(1, self.top_k):  # the fixed order of the sum
             y = y + gate[:, c] * outputs[:, c]
-        # for the report and --check (see __init__)
-        self.choice, self.first_load = choice, self.load if self.first_load is None else self.first_load
-        self.dropped, self.min_gap = self.dropped + (~keep).sum(), torch.minimum(self.min_gap, gap.detach())
-        return y.view_as(x)
+        self.choice, self.keep, self.gap = choice, keep, gap  # for the report and --check (see __init__)
+        return y.view_as(x), aux
 
 
-def attend(qkv, heads):
+def tally(block, inputs, output):
+    """After a block's forward (once a step: a recomputation reruns Block.body alone), for the report
+    and --check: the pairs dropped, the smallest top-k gap, the first load, the choices written down."""
+    moe = block.moe
+    moe.dropped, moe.min_gap = moe.dropped + (~moe.keep).sum(), torch.minimum(moe.min_gap, moe.gap)
+    moe.first_load = moe.load if moe.first_load is None else moe.first_load
+    if moe.written is not None:
+        moe.written.append(moe.choice)
+
+
+def attention_core(q, k, v):
+    """Scores, causal mask, softmax (float32), times V: the part whose activations grow with the
+    sequence squared, which --recompute selective runs again in backward from q, k, v."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    future = torch.ones(q.size(2), q.size(2), dtype=torch.bool, device=q.device).triu(1)
+    return scores.float().masked_fill(future, float("-inf")).softmax(dim=-1) @ v
+
+
+def attend(qkv, heads, selective):
     """Causal self-attention of `heads` heads, from queries, keys and values side by side."""
     b, t, c = qkv.size(0), qkv.size(1), qkv.size(2) // 3
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
-    future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
-    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-    return (weights @ v).transpose(1, 2).reshape(b, t, c)
+    out = checkpoint(attention_core, q, k, v, use_reentrant=True) if selective else attention_core(q, k, v)
+    return out.transpose(1, 2).reshape(b, t, c)
 
 
 class Block(nn.Module):
@@ -361,13 +374,18 @@ class Block(nn.Module):
     def __init__(self, args):
         super().__init__()
         self.heads, h = args.heads, args.hidden
-        self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.ln2 = nn.LayerNorm(h)
+        self.ln1, self.qkv, self.proj, self.ln2 = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h), nn.LayerNorm(h)
         self.moe = MoE(h, args.experts, args.top_k, args.aux_loss_coef, args.capacity_factor)
+        self.recompute = "none"  # expert_parallel_model() sets --recompute; --check's one process keeps none
 
-    def forward(self, x):
-        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads))
-        return x + self.moe(self.ln2(x))
+    def forward(self, x):  # full: only x is kept, and body() runs again in backward, its exchanges too
+        x, self.moe.aux = checkpoint(self.body, x, use_reentrant=True) if self.recompute == "full" else self.body(x)
+        return x
+
+    def body(self, x):
+        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads, self.recompute == "selective"))
+        y, aux = self.moe(self.ln2(x))
+        return x + y, aux
 
 
 class GPT(nn.Module):
@@ -396,14 +414,11 @@ def build_model(args):
             nn.init.normal_(m.weight, std=1.0 if isinstance(m, nn.Embedding) else 0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
-    # Why std 1: at GPT-2's 0.02 a token's own part of the residual stream has a norm near 0.2, and
-    # one SGD step adds what is the same for every token (the biases, attention's average over the
-    # context) at a norm near 0.4. LayerNorm rescales each token but keeps what all tokens share, so
-    # every router saw nearly one input and sent every token to the same k experts: the busiest
-    # expert took E/k = 2.00 times an even share on every block from the second step. A small router
-    # (Switch's init) did not help: scaling the logits keeps their top k. At std 1 the tokens' own
-    # parts stay ahead: the busiest expert 1.10 to 1.31 times an even share on the first step, 1.03
-    # to 1.11 on the last (the default run).
+    # Why std 1: at GPT-2's 0.02 a token's own part of the residual (norm near 0.2) fell behind what one
+    # SGD step adds alike to every token (the biases, attention's average: near 0.4), so every router saw
+    # nearly one input and the busiest expert took E/k = 2.00 times an even share on every block from the
+    # second step (a small router, Switch's init, keeps the top k). At std 1: 1.10 to 1.31 times on the
+    # first step, 1.03 to 1.11 on the last (the default run).
     return model
 
 
@@ -428,10 +443,9 @@ def expert_parallel_model(args, ep_comm, stats_comm, device):
     """The whole model from the seed on the CPU; each rank keeps its experts and moves only its
     part to its device. Returns it and its optimizer."""
     model = expert_parallel(build_model(args), ep_comm, stats_comm).to(device)
-    for moe in moe_layers(model):  # --check: every step's choices written down, for one process to follow
-        moe.written = []
-        if args.check:
-            moe.register_forward_hook(lambda layer, inputs, output: layer.written.append(layer.choice))
+    for block in model.blocks:  # --check: every step's choices written down, for one process to follow
+        block.recompute, block.moe.written = args.recompute, [] if args.check else None
+        block.register_forward_hook(tally)
     return model, sgd(model, args.lr)
 
 
@@ -469,17 +483,18 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, device, model, optimizer, counted, timeline, past=()):
-    """The steps after the `past` ones (their global losses, from a checkpoint). Returns this
-    rank's losses of the new steps and their timings."""
+def train(args, comm, device, model, optimizer, counted, timeline, meter, past=()):
+    """The steps after the `past` ones (their global losses, from a checkpoint), each forward's
+    saved activations measured by meter. Returns this rank's losses of the new steps and their timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
     per = args.batch_size // world_size
     losses, records = [], []
     for step in range(len(past), args.steps):
         start = time.perf_counter()
-        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        x, y = x[rank * per:(rank + 1) * per].to(device), y[rank * per:(rank + 1) * per].to(device)
-        losses.append(train_step(model, optimizer, x, y, counted["dense"], counted["experts"], timeline))
+        batch = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        x, y = (t[rank * per:(rank + 1) * per].to(device, copy=True) for t in batch)  # a view would keep the batch
+        losses.append(train_step(model, optimizer, x, y, counted["dense"], counted["experts"], timeline, meter,
+                                 args.precision == "bf16"))
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
@@ -503,7 +518,6 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         args = parse_args(argv, comm.Get_size())
         check_paths(comm, args)
         run = setup(comm, args)
-        rank = comm.Get_rank()
         ep_comm, replica_comm = expert_groups(comm, args.ep)
         counted = {"all-to-all": CountedComm(ep_comm, run.timeline), "router": CountedComm(comm, run.timeline),
                    "dense": CountedComm(comm, run.timeline), "experts": CountedComm(replica_comm, run.timeline)}
@@ -511,12 +525,13 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         past, resumed = [], None
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, model_config(args),
-                                             lambda manifest: f"rank-{rank}.pt", args.steps)
+                                             lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
             if shard is not None:
                 past = restore(model, optimizer, shard)
         print_header(comm, args, run, model, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
-        losses, records = train(args, comm, run.device, model, optimizer, counted, run.timeline, past)
+        losses, records = train(args, comm, run.device, model, optimizer, counted, run.timeline,
+                                activations := SavedActivations(), past)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
@@ -528,7 +543,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     diff, reference = check(comm, args, losses, model) if args.check else (None, None)
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, model, losses, records, counted, diff, reference)
+    return report(comm, args, run, model, losses, records, counted, diff, reference, sum(activations.storages.values()))
 
 
 # =============================================================================
@@ -550,8 +565,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # move the run by far more than rounding; the check counts that preference against its tolerance,
 # so a routing error still fails it.
 def reference_training(args, world_size, choices=None):
-    """The same steps in one plain process holding every expert. choices: for each block, the
-    ranks' choices of each step (None before a resume), which it follows (see reference_moe)."""
+    """The same steps in one process holding every expert; choices: each block's ranks' choices by step, which it follows."""
     model = build_model(args)
     for moe, followed in zip(moe_layers(model), choices or [None] * args.layers):
         moe.followed, moe.differed, moe.disagreement = iter(followed or []), 0, 0.0
@@ -560,7 +574,8 @@ def reference_training(args, world_size, choices=None):
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         optimizer.zero_grad(set_to_none=False)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + sum(m.aux for m in moe_layers(model))
+        with torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16"):  # as the ranks
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + sum(m.aux for m in moe_layers(model))
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -575,21 +590,20 @@ def gather_model(model, comm):
     if comm.Get_rank() != 0:
         return None
     full = {name: p.detach().cpu() for name, p in model.named_parameters() if ".experts." not in name}
-    per = len(moe_layers(model)[0].experts)
-    for j in range(moe_layers(model)[0].num_experts // per):  # the ranks of the first group
-        offset = 0
-        for i, moe in enumerate(moe_layers(model)):  # in the order of expert_parameters()
-            for slot, expert in enumerate(moe.experts.values()):
-                for name, p in expert.named_parameters():
-                    full[f"blocks.{i}.moe.experts.{j * per + slot}.{name}"] = every[j, offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
+    mine = [(name, p) for name, p in model.named_parameters() if ".experts." in name]  # as expert_parameters()
+    per = len(moe_layers(model)[0].experts)  # rank j of the first group holds experts j per to (j + 1) per - 1
+    for j in range(moe_layers(model)[0].num_experts // per):
+        for (name, p), piece in zip(mine, every[j].split([p.numel() for _, p in mine])):
+            block, (e, rest) = name.split(".experts.")[0], name.split(".experts.")[1].split(".", 1)
+            full[f"{block}.experts.{int(e) + j * per}.{rest}"] = piece.view_as(p)
     return full
 
 def reference_moe(moe, x, slices):
     """The mixture of experts of one process holding them all, written apart from MoE.forward and
     following the ranks' choices (see the comment above reference_training)."""
     tokens, E, k = x.reshape(-1, x.size(-1)), moe.num_experts, moe.top_k
-    probs = torch.softmax(tokens @ moe.router.weight.T, dim=1)
+    with torch.autocast("cpu", enabled=False):  # the router in float32, as the ranks'
+        probs = torch.softmax(tokens.float() @ moe.router.weight.T, dim=1)
     own, left = [], probs.detach().clone()
     for _ in range(k):  # the largest probability left; argmax takes the lowest index of a tie
         own.append(left.argmax(dim=1))
@@ -600,28 +614,24 @@ def reference_moe(moe, x, slices):
     moe.differed, moe.disagreement = moe.differed + int((preferred > 0).sum()), max(moe.disagreement, preferred.max().item())
     n = len(tokens) // slices  # each rank's tokens fill every expert's capacity on their own
     capacity = math.ceil(decimal.Decimal(repr(moe.capacity_factor)) * k * n / E) if moe.capacity_factor else math.inf
-    keep, taken = [], collections.Counter()  # (rank, expert): the pairs it took so far from that rank
-    for t, token in enumerate(choice.tolist()):
-        for e in token:  # in token order, a token's choices in their order
-            keep.append(taken[t // n, e] < capacity)
-            taken[t // n, e] += 1
+    keep, taken = [], collections.Counter()  # (rank, expert): the pairs it was given so far from that rank
+    for pair, e in enumerate(choice.reshape(-1).tolist()):  # in token order, a token's choices in their order
+        taken[pair // (n * k), e] += 1
+        keep.append(taken[pair // (n * k), e] <= capacity)
     keep = torch.tensor(keep).view(-1, k)
     moe.dropped = moe.dropped + (~keep).sum()
     gates = sum(F.one_hot(choice[:, c], E) * probs.gather(1, choice[:, c:c + 1]) * keep[:, c:c + 1] for c in range(k))
     y = sum(gates[:, e:e + 1] * expert(tokens) for e, expert in enumerate(moe.experts))
     share = [(choice == e).sum().item() / choice.numel() for e in range(E)]  # f_e, before capacity
-    moe.aux = moe.aux_coef * E * sum(share[e] * probs[:, e].mean() for e in range(E))
-    return y.view_as(x)
+    return y.view_as(x), moe.aux_coef * E * sum(share[e] * probs[:, e].mean() for e in range(E))
 
 def gather_choices(model, comm, steps):
     """[block][step]: all ranks' choices, rank by rank, on rank 0 (None elsewhere, and before a resume)."""
     written = torch.stack([torch.stack(moe.written) for moe in moe_layers(model)]).cpu()  # L x S x n x k
     every = written.new_empty(comm.Get_size(), *written.shape) if comm.Get_rank() == 0 else None
     comm.Gather(written, every, root=0)
-    if every is None:
-        return None
-    return [[None] * (steps - every.size(2)) + list(every[:, block].transpose(0, 1).flatten(1, 2))
-            for block in range(every.size(1))]
+    return None if every is None else [[None] * (steps - every.size(2)) + list(every[:, block].transpose(0, 1).flatten(1, 2))
+                                       for block in range(every.size(1))]
 
 def check(comm, args, losses, model):
     """Rank 0 gathers the model and the choices and trains the reference on its CPU; the others wait
@@ -637,124 +647,130 @@ def check(comm, args, losses, model):
         time.sleep(POLL_S)
     return comm.bcast((diff, counts), root=0)
 
-def print_header(comm, args, run, model, resumed):
-    world_size, P, E, L = comm.Get_size(), args.ep, args.experts, args.layers
-    dense = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in expert_parameters(model))
-    one = sum(p.numel() for p in next(iter(moe_layers(model)[0].experts.values())).parameters())
-    if resumed:
-        print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)")
-    print0(comm, *run.header,
-           f"model: GPT, {L} blocks, hidden {args.hidden}, {args.heads} heads, each block's MLP {E} experts, "
-           f"top-{args.top_k}: {dense + L * E * one:,} parameters, {dense:,} of them dense, {one:,} an expert",
-           f"--ep {P}: {world_size // P} group(s) of {P} consecutive ranks, {E // P} expert(s) of every block on each "
-           f"rank (rank j of a group: j x {E // P} to j x {E // P} + {E // P - 1}), each expert on {world_size // P} rank(s)",
-           f"batch {args.batch_size} x {args.seq_len} characters, {args.batch_size // world_size} sequences per rank | "
-           + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}: at most "
-              f"{expert_capacity(args.capacity_factor, args.top_k, args.batch_size // world_size * args.seq_len, E)} "
-              f"pairs per expert from each rank") + f" | load-balancing coefficient {args.aux_loss_coef:g}",
-           f"text: {' + '.join(s + '.py' for s in SOURCES)} of Python {sys.version.split()[0]} "
-           f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes")
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Around a forward: the distinct storages autograd saves for backward, parameters and autocast's bf16
+    copies (ToCopyBackward0 of a parameter's AccumulateGrad, or its transpose) left out."""
 
-def report(comm, args, run, model, losses, records, counted, diff, reference):
+    def __init__(self):
+        super().__init__(self.pack, lambda t: t)
+
+    def __enter__(self):
+        self.storages = {}
+        return super().__enter__()
+
+    def pack(self, t):
+        source = t.grad_fn
+        while source is not None and source.name() in ("TBackward0", "ToCopyBackward0"):
+            source = source.next_functions[0][0]
+        if not (t.is_leaf and t.requires_grad or source is not None and source.name().endswith("AccumulateGrad")):
+            self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+def print_header(comm, args, run, model, resumed):
+    N, P, E, L, B, T = comm.Get_size(), args.ep, args.experts, args.layers, args.batch_size, args.seq_len
+    dense = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in expert_parameters(model))
+    one, C = sum(p.numel() for p in next(iter(moe_layers(model)[0].experts.values())).parameters()), args.capacity_factor
+    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)"] if resumed else []),
+           *run.header, f"model: GPT, {L} blocks, hidden {args.hidden}, {args.heads} heads, each block's MLP {E} experts, "
+           f"top-{args.top_k}: {dense + L * E * one:,} parameters, {dense:,} of them dense, {one:,} an expert",
+           f"--ep {P}: {N // P} group(s) of {P} consecutive ranks, {E // P} expert(s) of every block on each rank (rank j of a "
+           f"group: j x {E // P} to j x {E // P} + {E // P - 1}), each expert on {N // P} rank(s)",
+           f"batch {B} x {T} characters, {B // N} sequences per rank | " + ("dropless" if C is None else f"capacity factor {C:g}: "
+           f"at most {expert_capacity(C, args.top_k, B // N * T, E)} pairs per expert from each rank")
+           + f" | load-balancing coefficient {args.aux_loss_coef:g} | text: {' + '.join(s + '.py' for s in SOURCES)} of Python "
+           f"{sys.version.split()[0]} ({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes")
+
+def report(comm, args, run, model, losses, records, counted, diff, reference, activations):
     """The summary (bytes beside their formulas, memory, load, drops, the router's gap); finish() the rest."""
-    world_size, P, E, k, L, h = comm.Get_size(), args.ep, args.experts, args.top_k, args.layers, args.hidden
-    steps_run, n, moes = max(1, len(records)), args.batch_size // world_size * args.seq_len, moe_layers(model)
-    experts, one = expert_parameters(model), sum(p.numel() for p in next(iter(moes[0].experts.values())).parameters())
+    world_size, P, E, k, L, h, B, T = comm.Get_size(), args.ep, args.experts, args.top_k, args.layers, args.hidden, args.batch_size, args.seq_len
+    full, p, steps_run, moes = args.recompute == "full", 2 if args.precision == "bf16" else 4, max(1, len(records)), moe_layers(model)
+    experts, one, n = expert_parameters(model), sum(p.numel() for p in next(iter(moes[0].experts.values())).parameters()), B // world_size * T
     dense = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in experts)
     dropped = comm.allreduce(int(sum(m.dropped for m in moes)))  # pairs, all ranks, all layers and steps
-    gap = comm.allreduce(float(min(m.min_gap for m in moes)), op=MPI.MIN)
+    gap, calls = comm.allreduce(float(min(m.min_gap for m in moes)), op=MPI.MIN), sum(sum(c.calls.values()) for c in counted.values()) / steps_run
     mine = {"Alltoallv": counted["all-to-all"].bytes["Alltoallv"], "Alltoall": counted["all-to-all"].bytes["Alltoall"],
-            "router": sum(counted["router"].bytes.values()), "dense": sum(counted["dense"].bytes.values()),
-            "experts": sum(counted["experts"].bytes.values())}
+            **{kind: sum(counted[kind].bytes.values()) for kind in ("router", "dense", "experts")}}
     every = comm.allgather({kind: b / steps_run for kind, b in mine.items()})
-    measured = {kind: sum(r[kind] for r in every) / world_size for kind in mine}
-    per_rank = [sum(r.values()) for r in every]
-    formula = {"Alltoallv": 4 * (L * k * n - dropped / (world_size * steps_run)) * h * 4, "Alltoall": L * E * 8,
-               "router": L * E * 8, "dense": 4 * dense, "experts": 4 * (E // P) * L * one}
-    calls = sum(sum(c.calls.values()) for c in counted.values()) / steps_run
-    held = comm.allgather(sum(p.numel() * p.element_size() for p in experts))
+    measured, per_rank = {kind: sum(r[kind] for r in every) / world_size for kind in mine}, [sum(r.values()) for r in every]
+    r, twice = 6 if full else 4, 1 + full  # full: the forward's exchanges again in backward
+    formula = {"Alltoallv": r * (L * k * n - dropped / (world_size * steps_run)) * h * p, "Alltoall": twice * L * E * 8,
+               "router": twice * L * E * 8, "dense": 4 * dense, "experts": 4 * (E // P) * L * one}
+    saved, kept = comm.allgather(activations), comm.allreduce(sum(int(m.keep.sum()) for m in moes)) / world_size
+    held, b, s, a = comm.allgather(sum(p.numel() * p.element_size() for p in experts)), B // world_size, T, args.heads
+    block = 12 * n * h + 16 * n + 5 * p * n * h + 16 * n * E + 4 * E + p * k * n * h  # the docstring's; and 32 + 9 p h per pair kept
+    core = s * s + (6 if p == 2 else 4) * a * s * s * b  # attention's core, which selective recomputes
+    saved_formula = (L * 4 * n * h if full else L * (block + core * (args.recompute == "none")) + (32 + 9 * p * h) * kept) \
+        + 8 * b * s + 8 * s + 4 * n * h + 16 * n + p * n * h + 4 * n * VOCAB + 4  # beyond the blocks
     load, first = [m.load.tolist() for m in moes], [m.first_load.tolist() for m in moes]
     busiest = {when: [max(c) / (sum(c) / E) for c in counts] for when, counts in (("first_step", first), ("last_step", load))}
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
-             f"bytes per step and rank, mean over the {world_size} ranks: {sum(measured.values()):,.0f} (from "
-             f"{min(per_rank):,.0f} to {max(per_rank):,.0f}: the rows a rank sends follow the routing); formula "
-             f"{sum(formula.values()):,.0f}",
-             f"  Alltoallv {measured['Alltoallv']:,.0f} = 4 L (k n - dropped) h x 4 = {formula['Alltoallv']:,.0f} | "
-             f"Alltoall of counts {measured['Alltoall']:,.0f} = L E 8 = {formula['Alltoall']:,} | router counts "
-             f"{measured['router']:,.0f} = L E 8 = {formula['router']:,} | dense gradients {measured['dense']:,.0f} = 4 D = {formula['dense']:,} | "
-             f"expert gradients {measured['experts']:,.0f} = 4 (E/P) L X = {formula['experts']:,}",
-             f"collectives per step and rank: {calls:g} (formula 6L + 2 = {6 * L + 2}: per block 4 Alltoallv, 1 Alltoall, "
-             f"1 Allreduce; 2 gradient Allreduces)",
-             f"expert parameters per rank: {min(held):,} to {max(held):,} bytes; formula (E/P) L X x 4 = "
-             f"{E // P * L * one * 4:,} ({E // P} of {E} experts x {L} blocks x {one:,} parameters)",
-             f"(token, choice) pairs per expert as the router chose them (before capacity), last step, all ranks "
-             f"({k} x {args.batch_size * args.seq_len} a block, {k * args.batch_size * args.seq_len / E:g} each if "
-             f"balanced): " + " | ".join(f"block {i} {counts}" for i, counts in enumerate(load)),
+             f"bytes per step and rank, mean over the {world_size} ranks: {sum(measured.values()):,.0f} (from {min(per_rank):,.0f} to "
+             f"{max(per_rank):,.0f}: the rows a rank sends follow the routing); formula {sum(formula.values()):,.0f}",
+             f"  Alltoallv {measured['Alltoallv']:,.0f} = {r} L (k n - dropped) h x {p} = {formula['Alltoallv']:,.0f} | Alltoall of counts "
+             f"{measured['Alltoall']:,.0f} = {twice} L E 8 = {formula['Alltoall']:,} | router counts {measured['router']:,.0f} = {twice} L E 8 "
+             f"= {formula['router']:,} | dense gradients {measured['dense']:,.0f} = 4 D = {formula['dense']:,} | expert gradients "
+             f"{measured['experts']:,.0f} = 4 (E/P) L X = {formula['experts']:,}",
+             f"collectives per step and rank: {calls:g} (formula {r + 2 * twice}L + 2 = {(r + 2 * twice) * L + 2}: per block {r} Alltoallv, "
+             f"{twice} Alltoall, {twice} Allreduce; 2 gradient Allreduces)",
+             f"activations saved for backward, last step, --recompute {args.recompute}: {' | '.join(f'{a / 1e6:.3f}' for a in saved)} MB "
+             f"a rank; mean {statistics.mean(saved):,.0f} bytes, formula {saved_formula:,.0f}",
+             f"expert parameters per rank: {min(held):,} to {max(held):,} bytes; formula (E/P) L X x 4 = {E // P * L * one * 4:,} "
+             f"({E // P} of {E} experts x {L} blocks x {one:,} parameters)",
+             f"(token, choice) pairs per expert as the router chose them (before capacity), last step, all ranks ({k} x {B * T} a "
+             f"block, {k * B * T / E:g} each if balanced): " + " | ".join(f"block {i} {counts}" for i, counts in enumerate(load)),
              f"busiest expert over an even share, block by block (1 balanced, E/k = {E / k:g} every token choosing it): "
              + ", ".join(f"{when.replace('_', ' ')} " + " ".join(f"{b:.2f}" for b in v) for when, v in busiest.items()),
-             f"(token, choice) pairs dropped: {dropped:,} of {L * k * args.batch_size * args.seq_len * steps_run:,}"
-             + (" (dropless)" if args.capacity_factor is None else f" (capacity factor {args.capacity_factor:g})")
-             + ("" if reference is None else f"; the single process dropped {reference[0]:,}"),
-             f"smallest gap between a token's k-th and (k+1)-th router probability: {gap:.2e} (rounding moves a "
-             f"float32 probability by about 1e-7: a gap that small could pick another expert in one process than in N)"]
+             f"(token, choice) pairs dropped: {dropped:,} of {L * k * B * T * steps_run:,}" + (" (dropless)" if args.capacity_factor is None
+             else f" (capacity factor {args.capacity_factor:g})") + ("" if reference is None else f"; the single process dropped {reference[0]:,}"),
+             f"smallest gap between a token's k-th and (k+1)-th router probability: {gap:.2e} (float32 rounding, about 1e-7, flips a smaller one)"]
     if reference is not None:
-        lines.append(f"the single process followed the ranks' choices; its own top-{k} differed at {reference[1]:,} "
-                     f"token(s), by {reference[2]:.1e} at most in probability (the check counts it: near-ties only)")
+        lines.append(f"the single process followed the ranks' choices; its own top-{k} differed at {reference[1]:,} token(s), by "
+                     f"{reference[2]:.1e} at most in probability (the check counts it: near-ties only)")
     return finish(comm, args, run, losses, records, diff, "losses, parameters, routing", lines, {
-        "experts": E, "top_k": k, "ep": P, "capacity_factor": args.capacity_factor, "aux_loss_coef": args.aux_loss_coef,
-        "comm_bytes_per_step": sum(measured.values()), "comm_bytes_formula": sum(formula.values()),
-        "comm_bytes_per_rank": per_rank, "comm_bytes_by_kind": measured, "comm_bytes_formula_by_kind": formula,
-        "collectives_per_step": calls, "collectives_formula": 6 * L + 2,
-        "expert_param_bytes_per_rank": held, "expert_param_bytes_formula": E // P * L * one * 4,
-        "tokens_per_expert": load, "tokens_per_expert_first_step": first, "busiest_expert_share": busiest,
-        "tokens_dropped": dropped, "tokens_dropped_reference": reference and reference[0],
-        "choices_differing_in_reference": reference and reference[1], "reference_preference": reference and reference[2],
-        "min_topk_gap": gap, "overlap": {}})  # the exchanges are blocking: the lesson claims no overlap
+        "experts": E, "top_k": k, "ep": P, "capacity_factor": args.capacity_factor, "aux_loss_coef": args.aux_loss_coef, "comm_bytes_per_step":
+        sum(measured.values()), "comm_bytes_formula": sum(formula.values()), "comm_bytes_per_rank": per_rank, "comm_bytes_by_kind": measured,
+        "comm_bytes_formula_by_kind": formula, "collectives_per_step": calls, "collectives_formula": (r + 2 * twice) * L + 2,
+        "activation_bytes_per_rank": saved, "activation_bytes_formula": saved_formula, "expert_param_bytes_per_rank": held,
+        "expert_param_bytes_formula": E // P * L * one * 4, "tokens_per_expert": load, "tokens_per_expert_first_step": first,
+        "busiest_expert_share": busiest, "tokens_dropped": dropped, "min_topk_gap": gap, "overlap": {},  # blocking: no overlap
+        **dict(zip(("tokens_dropped_reference", "choices_differing_in_reference", "reference_preference"), reference or [None] * 3))})
 
 def parse_args(argv, world_size):
     p = common_arguments("Expert parallelism over MPI: a mixture-of-experts GPT on Python's own source.",
                          steps=50, batch_size=24, lr=0.1, log_every=10)
-    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
-    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
-    p.add_argument("--experts", type=COUNT, default=4, help="expert MLPs in every block")
+    for flag, default, text in (("--layers", 4, "transformer blocks"), ("--hidden", 64, "hidden size"), ("--heads", 4, "attention heads"),
+                                ("--seq-len", 64, "characters per sequence"), ("--experts", 4, "expert MLPs in every block")):
+        p.add_argument(flag, type=COUNT, default=default, help=text)
     p.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
-    p.add_argument("--ep", type=COUNT, help="ranks that share the experts out (default: the most that divide "
-                                            "both the ranks and the experts)")
-    p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(C k n / E) pairs per expert from each "
-                                                          "rank's n tokens (default: dropless)")
-    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"),
-                   default=0.01, help="alpha of the load-balancing loss")
+    p.add_argument("--ep", type=COUNT, help="ranks that share the experts out (default: the most that divide both the ranks and the experts)")
+    p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(C k n / E) pairs per expert from each rank's n tokens (default: dropless)")
+    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01,
+                   help="alpha of the load-balancing loss")
     args = check_common(p.parse_args(argv))
     if args.hidden % args.heads:
-        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
-                          f"size; use a multiple of {args.heads}, e.g. {16 * args.heads}")
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal size; use a multiple of "
+                          f"{args.heads}, e.g. {16 * args.heads}")
     if args.batch_size % world_size:
-        raise ConfigError(f"--batch-size {args.batch_size} does not split into {world_size} ranks; use a "
-                          f"multiple of {world_size}, e.g. {world_size}, {2 * world_size}, {3 * world_size}")
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into {world_size} ranks; use a multiple of {world_size}, "
+                          f"e.g. {world_size}, {2 * world_size}, {3 * world_size}")
     if args.top_k >= args.experts:
-        raise ConfigError(f"--top-k {args.top_k} of --experts {args.experts} leaves the router no choice; "
-                          f"use --experts {args.top_k + 1} or more")
+        raise ConfigError(f"--top-k {args.top_k} of --experts {args.experts} leaves the router no choice; use --experts {args.top_k + 1} or more")
     args.ep = args.ep or math.gcd(world_size, args.experts)
     if world_size % args.ep or args.experts % args.ep:
         works = [d for d in range(1, world_size + 1) if world_size % d == 0 and args.experts % d == 0]
         fixes = ([f"--ep {', '.join(map(str, works))}"] + [f"mpirun -np a multiple of {args.ep}"] * (world_size % args.ep > 0)
                  + [f"--experts a multiple of {args.ep}"] * (args.experts % args.ep > 0))
-        raise ConfigError(f"--ep {args.ep} must divide both the {world_size} ranks and the {args.experts} "
-                          f"experts; use {' or '.join(fixes)}")
+        raise ConfigError(f"--ep {args.ep} must divide both the {world_size} ranks and the {args.experts} experts; use {' or '.join(fixes)}")
     if args.seq_len >= len(load_text()):
         raise ConfigError(f"--seq-len {args.seq_len} must be shorter than the text ({len(load_text())})")
     return args
 
 def model_config(args):
     """What the shapes of a checkpoint's shards depend on."""
-    return {"model": "GPT-MoE", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-            "seq_len": args.seq_len, "vocab": VOCAB, "experts": args.experts, "ep": args.ep}
+    return {"model": "GPT-MoE", "vocab": VOCAB, **{key: vars(args)[key] for key in ("layers", "hidden", "heads", "seq_len", "experts", "ep")}}
 
 def restore(model, optimizer, shard):
-    """Load this rank's dense parameters and experts (written at this world size and --ep).
-    Returns the losses so far."""
+    """Load this rank's dense parameters and experts (same world size and --ep); the losses so far."""
     model.load_state_dict(shard["model"])
     optimizer.load_state_dict(shard["optimizer"])
     return shard["losses"]

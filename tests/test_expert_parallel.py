@@ -157,9 +157,9 @@ def test_the_load_balancing_loss_and_its_router_gradient_equal_the_hand_computed
     moe = ep.MoE(3, 4, k, 1.0, None)
     moe.router, moe.followed, moe.differed, moe.disagreement = router, iter([]), 0, 0.0
     router.weight.grad = None
-    ep.reference_moe(moe, tokens, 1)
-    moe.aux.backward()
-    assert abs(moe.aux.item() - expected) < 1e-6
+    _, aux = ep.reference_moe(moe, tokens, 1)
+    aux.backward()
+    assert abs(aux.item() - expected) < 1e-6
     assert torch.allclose(router.weight.grad.T, torch.tensor(gradient), atol=1e-7)
 
 
@@ -182,16 +182,23 @@ def test_capacity_on_sizes_where_c_k_n_over_e_is_not_whole():
             assert moe.dropped.item() == {1.25: 1, 1.0: 2}[factor]
 
 
-def train_and_check(comm, argv):
-    """The script's training on comm, then its check. Returns (difference, the pairs dropped by the
-    ranks and by the reference, the loads, replicas bitwise identical)."""
-    args = ep.parse_args(TINY + argv, comm.Get_size())
+def build(comm, args):
+    """The script's model and optimizer on comm, its counted communicators and a timeline."""
     timeline = ep.Timeline(CPU)
     ep_comm, replica_comm = ep.expert_groups(comm, args.ep)
     counted = {"all-to-all": ep.CountedComm(ep_comm, timeline), "router": ep.CountedComm(comm, timeline),
                "dense": ep.CountedComm(comm, timeline), "experts": ep.CountedComm(replica_comm, timeline)}
     model, optimizer = ep.expert_parallel_model(args, counted["all-to-all"], counted["router"], CPU)
-    losses, _ = ep.train(args, comm, CPU, model, optimizer, counted, timeline)
+    return model, optimizer, counted, timeline
+
+
+def train_and_check(comm, argv):
+    """The script's training on comm, then its check. Returns (difference, the pairs dropped by the
+    ranks and by the reference, the loads, replicas bitwise identical)."""
+    args = ep.parse_args(TINY + argv, comm.Get_size())
+    model, optimizer, counted, timeline = build(comm, args)
+    ep_comm, replica_comm = counted["all-to-all"].comm, counted["experts"].comm
+    losses, _ = ep.train(args, comm, CPU, model, optimizer, counted, timeline, ep.SavedActivations())
     losses = ep.global_losses(comm, losses)
     dense, experts = ep.checksums(model)
     same = len(set(comm.allgather(dense))) == 1 and len(set(replica_comm.allgather(experts))) == 1
@@ -213,6 +220,19 @@ def test_training_equals_one_process_holding_every_expert(size, P, num_experts, 
             same &= dropped == reference_dropped == 0
         assert max_everywhere(diff) <= ep.TOLERANCE
         assert agree(same)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, P, num_experts", [(4, 2, 4), (3, 3, 6), (2, 2, 4), (1, 1, 4)])
+def test_bf16_training_equals_one_process_in_bf16(size, P, num_experts):
+    """Both sides under autocast: within TOLERANCE_BF16 (measured 4.0e-4 at most here, 0 at N = 1), and
+    farther than float32's tolerance at N > 1, so the comparison is not a float32 run's."""
+    with sub_comm(size) as comm:
+        diff = 0.0
+        if comm is not None:
+            diff = train_and_check(comm, ["--ep", str(P), "--experts", str(num_experts), "--precision", "bf16"])[0]
+        assert max_everywhere(diff) <= ep.TOLERANCE_BF16
+        assert size == 1 or max_everywhere(diff) > ep.TOLERANCE
 
 
 @pytest.mark.mpi
@@ -243,9 +263,11 @@ def test_every_buffer_staged_through_a_host_copy_trains_the_same(monkeypatch):
 
 
 @pytest.mark.mpi
-def test_expert_gradients_divided_by_the_replicas_instead_of_n_fail_the_check(monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_expert_gradients_divided_by_the_replicas_instead_of_n_fail_the_check(monkeypatch, precision):
     """Negative control: at N = 4, --ep 2 each expert has 2 copies; dividing its summed gradient by
-    2 (N/P) instead of 4 (N) doubles it. Measured: 2.2e-2 after 3 steps (2.4e-7 when right)."""
+    2 (N/P) instead of 4 (N) doubles it. Measured: 1.3e-3 after 3 steps (2.4e-7 when right); in bf16,
+    whose rounding hides more, 9.4e-3 after 8 steps against TOLERANCE_BF16 5e-3 (1.3e-3 after 3: not caught)."""
     average = ep.average_gradients
 
     def by_replicas(model, comm, replica_comm):
@@ -254,8 +276,37 @@ def test_expert_gradients_divided_by_the_replicas_instead_of_n_fail_the_check(mo
             p.grad *= comm.Get_size() / replica_comm.Get_size()  # / (N/P) instead of / N
     monkeypatch.setattr(ep, "average_gradients", by_replicas)
     with sub_comm(4) as comm:
-        diff = 0.0 if comm is None else train_and_check(comm, ["--ep", "2"])[0]
-        assert max_everywhere(diff) > 10 * ep.TOLERANCE
+        steps = ["--steps", "8"] if precision == "bf16" else []
+        diff = 0.0 if comm is None else train_and_check(comm, ["--ep", "2", "--precision", precision] + steps)[0]
+        assert max_everywhere(diff) > (ep.TOLERANCE_BF16 if precision == "bf16" else 10 * ep.TOLERANCE)
+
+
+@pytest.mark.mpi
+def test_a_gradient_scaled_by_one_over_n_and_a_nudged_parameter_fail_the_bf16_check(monkeypatch):
+    """Negative controls in bf16 at N = 2: every gradient divided once more by N fails the check; and
+    after a right run, each parameter of the model moved by 1.5 x TOLERANCE_BF16 is reported above it."""
+    average = ep.average_gradients
+
+    def once_more(model, comm, replica_comm):
+        average(model, comm, replica_comm)
+        for p in model.parameters():
+            p.grad /= comm.Get_size()
+    with sub_comm(2) as comm:
+        wrong, nudged = 0.0, math.inf  # the ranks left out: neither
+        if comm is not None:
+            monkeypatch.setattr(ep, "average_gradients", once_more)
+            wrong = train_and_check(comm, ["--ep", "2", "--precision", "bf16"])[0]
+            monkeypatch.setattr(ep, "average_gradients", average)
+            args = ep.parse_args(TINY + ["--ep", "2", "--precision", "bf16"], 2)
+            model, optimizer, counted, timeline = build(comm, args)
+            losses = ep.global_losses(comm, ep.train(args, comm, CPU, model, optimizer, counted, timeline, ep.SavedActivations())[0])
+            with torch.no_grad():
+                for p in model.parameters():
+                    p += 1.5 * ep.TOLERANCE_BF16
+            nudged = ep.check(comm, args, losses, model)[0]
+            counted["all-to-all"].comm.Free(), counted["experts"].comm.Free()
+        assert max_everywhere(wrong) > ep.TOLERANCE_BF16
+        assert max_everywhere(-nudged) < -ep.TOLERANCE_BF16
 
 
 @pytest.mark.mpi
@@ -340,6 +391,51 @@ def test_a_rank_that_routes_otherwise_than_one_process_fails_the_check(monkeypat
                 monkeypatch.setattr(ep, "route", otherwise)
             diff = train_and_check(comm, [])[0]
         assert max_everywhere(diff) > 10 * ep.TOLERANCE
+
+
+def activations_formula(b, s, h, a, E, k, L, p, recompute):
+    """The docstring's activation bytes per rank, written again here for a dropless run (m = k n)."""
+    n, m = b * s, k * b * s
+    core = s * s + (6 if p == 2 else 4) * a * s * s * b  # attention's core; bf16 adds the softmax's bf16 copy
+    none = 12 * n * h + 16 * n + 5 * p * n * h + core + 16 * n * E + 4 * E + 32 * m + 9 * p * m * h + p * k * n * h
+    block = {"none": none, "selective": none - core, "full": 4 * n * h}[recompute]
+    return L * block + 8 * b * s + 8 * s + 4 * n * h + 16 * n + p * n * h + 4 * n * 128 + 4
+
+
+@pytest.mark.mpi
+def test_recomputation_keeps_the_losses_and_saves_what_its_formula_says(capsys):
+    """N = 2, --ep 2, dropless, fp32 and bf16, --recompute none, selective and full: the mean bytes a rank's
+    forward saved for backward equal the docstring's formula exactly, and selective < none, full < selective;
+    the losses equal none's bit for bit in fp32, within TOLERANCE_BF16 in bf16; every byte counter equals its
+    formula: full's Alltoallv 6/4 of none's (the forward's exchanges again in backward), bf16's half fp32's."""
+    with sub_comm(2) as comm:
+        ok, why = True, None
+        if comm is not None:
+            runs = {}
+            for precision in ("fp32", "bf16"):
+                for mode in ("none", "selective", "full"):
+                    status = ep.main(TINY + ["--ep", "2", "--json", "--no-check", "--precision", precision, "--recompute", mode], comm)
+                    out = capsys.readouterr().out
+                    run = comm.bcast(json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 else None, root=0)
+                    saved = sum(run["activation_bytes_per_rank"]) / 2
+                    formula = activations_formula(6, 16, 32, 2, 4, 2, 2, 2 if precision == "bf16" else 4, mode)
+                    ok &= status == 0 and saved == run["activation_bytes_formula"] == formula
+                    ok &= run["comm_bytes_by_kind"] == pytest.approx(run["comm_bytes_formula_by_kind"], rel=1e-12)
+                    ok &= run["collectives_per_step"] == run["collectives_formula"] == (22 if mode == "full" else 14)
+                    runs[precision, mode] = run
+            why = {key: (run["activation_bytes_per_rank"], run["losses"], run["comm_bytes_by_kind"]) for key, run in runs.items()}
+            for precision in ("fp32", "bf16"):
+                none, selective, full = (runs[precision, mode] for mode in ("none", "selective", "full"))
+                saved = [sum(run["activation_bytes_per_rank"]) for run in (none, selective, full)]
+                ok &= saved[0] > saved[1] > saved[2]
+                ok &= full["comm_bytes_by_kind"]["Alltoallv"] == 1.5 * none["comm_bytes_by_kind"]["Alltoallv"]
+                for run in (selective, full):
+                    if precision == "fp32":
+                        ok &= run["losses"] == none["losses"]
+                    else:
+                        ok &= max(abs(a - b) for a, b in zip(run["losses"], none["losses"])) <= ep.TOLERANCE_BF16
+            ok &= runs["bf16", "none"]["comm_bytes_by_kind"]["Alltoallv"] * 2 == runs["fp32", "none"]["comm_bytes_by_kind"]["Alltoallv"]
+        assert agree(ok), why
 
 
 @pytest.mark.parametrize("argv, world, words", [
