@@ -104,7 +104,7 @@ from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "sharded_data_parallel"
 TOLERANCE = 2e-5  # largest |difference| from one process (float32); measured (check()): 6.0e-7 to 2.4e-6
-TOLERANCE_BF16 = 5e-3  # bf16: 1.8e-3 at most (N = 1 to 4, every stage; the tests' GPTs, 3 and 20 steps); see check()
+TOLERANCE_BF16 = 2e-2  # bf16 (check()): 7.6e-3, N = 3, the default 50 steps; 1.8e-3 at most, N = 1 to 4, the tests' GPTs
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES, VOCAB = ("argparse", "textwrap", "shlex"), 128  # the text: these modules' source; ASCII codes
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01  # AdamW's, as in BERT; EPS: see check()
