@@ -1247,10 +1247,42 @@ def precision(meta, runs, cores):
     return lines + table(head, rows) + load_line([j for _, j in jobs])
 
 
+def matrix(meta, runs, cores):
+    lines = ["## The exactness matrix: hybrid_parallel.py against one process on every grid", ""]
+    j = next((r for r in sorted(runs, key=lambda r: -r["ranks"]) if r["group"] == "matrix" and r["result"]), None)
+    if j is None:
+        return lines + ["Not measured (see above).", ""]
+    r0, cfg = j["result"], j["result"].get("config") or {}
+    lines += [f"Every grid trains the same GPT ({cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × "
+              f"{cfg.get('heads')} heads, global batch {cfg.get('batch_size')} sequences of {cfg.get('seq_len')} "
+              f"characters, M = {cfg.get('micro_batches')} micro-batches, {plural(r0['steps'], 'step')}) with "
+              "--check: one process trains the unsplit model from the same seed on the same batches, and "
+              "*largest |Δ|* is the largest difference over every loss and every parameter (each rank's "
+              "piece against the same piece of the reference), with the script's verdict against its "
+              "tolerance. The grids ran one after another in one job of "
+              f"{j['ranks']} ranks on {cores} cores, each on the job's first N ranks: the step times say "
+              "what a tiny model costs on an oversubscribed CPU, not what a grid is worth. *Bytes by axis*: "
+              "per step, summed over the grid's ranks, MB.", ""]
+    head = ["N", "grid", "largest \\|Δ\\| (losses and parameters)", "step ms", "peak MB per rank (largest)",
+            "bytes by axis: data / tensor / pipeline / context / expert"]
+    rows = []
+    for c in j["result"]["cases"]:
+        n = ranks_label(c["tags"]["n"], cores)
+        if not ok(c):
+            rows.append([n] + failed_row(c, len(head) - 1))
+            continue
+        r, axis = c["result"], c["result"].get("comm_bytes_per_step_by_axis") or {}
+        rows.append([n, c["label"].replace("hybrid_parallel.py ", ""), check_cell(c), ms(r["step_time_s"]),
+                     mb(max(r["peak_memory_bytes_per_rank"])),
+                     " / ".join(mb(axis[a]) if a in axis else "–"
+                                for a in ("data", "tensor", "pipeline", "context", "expert"))])
+    return lines + table(head, rows) + load_line([j])
+
+
 def render(meta, runs):
     cores = meta["machine"]["cores"]
     lines = header(meta, runs)
     for section in (summary, transport, data_parallel, pipeline, tensor_parallel, sharded, larger_model, hybrid,
-                    context_parallel, expert_parallel, precision, overlap, scaling, findings):
+                    matrix, context_parallel, expert_parallel, precision, overlap, scaling, findings):
         lines += section(meta, runs, cores)
     return "\n".join(lines)

@@ -42,7 +42,7 @@ GROUP_NEEDS = {"dp": ("data_parallel",), "pp": ("pipeline_parallel", "model_para
                "tp": ("tensor_parallel",), "zero": ("sharded_data_parallel",), "hybrid": ("hybrid_parallel",),
                "cp": ("context_parallel",), "ep": ("expert_parallel",), "scaling": STRATEGIES[:4],
                "transport": STRATEGIES, "large": ("tensor_parallel", "pipeline_parallel", "sharded_data_parallel"),
-               "precision": STRATEGIES}
+               "precision": STRATEGIES, "matrix": ("hybrid_parallel",)}
 
 
 Job = collections.namedtuple("Job", "groups ranks flags env seconds timeout")
@@ -95,6 +95,9 @@ def plan(mode):
     jobs.append(Job(("hybrid",), 8, ["--rounds", "4", "--steps", "4"], {}, 70, 200))
     # Every script in fp32 and bf16, and with --recompute selective and full, at N = 2.
     jobs.append(Job(("precision",), 2, ["--rounds", "2", "--steps", "4", "--check"], {}, 150, 420))
+    # The exactness matrix: hybrid_parallel.py with --check on every grid from one axis to all five, in
+    # one 16-rank job (each grid on its first N ranks, the others asleep); one round: differences, not ratios.
+    jobs.append(Job(("matrix",), 16, ["--rounds", "1", "--steps", "3", "--check"], {}, 60, 900))
     # MPICH's progress thread moves non-blocking collectives on while backward computes.
     jobs.append(Job(("dp",), 2, ["--rounds", "6", "--steps", "12", "--without-gloo"],
                     {"MPIR_CVAR_ASYNC_PROGRESS": 1}, 35, 240))

@@ -941,6 +941,42 @@ def hybrid_cases(ctx):
 
 
 # -----------------------------------------------------------------------------
+# The exactness matrix: hybrid_parallel.py with --check on each axis alone, the pairs, the triples, all five
+# -----------------------------------------------------------------------------
+# One small network for every grid: 2 heads and 3 blocks divide over --tp 2 and --pp 2; 8 positions over
+# the 2C = 4 chunks of --cp 2 zigzag, times --tp 2 with --sequence-parallel; 8 sequences over --dp 4 x M = 2.
+MATRIX_NETWORK = ("--layers", 3, "--hidden", 16, "--heads", 2, "--seq-len", 8, "--batch-size", 8,
+                  "--micro-batches", 2)
+EXPERTS = ("--experts", 4)
+MATRIX = [  # the world size and the grid's flags (an axis not named is 1; --dp takes what the others leave)
+    (1, ()),
+    (2, ("--dp", 2)), (2, ("--tp", 2)), (2, ("--pp", 2)), (2, ("--cp", 2)), (2, ("--cp", 2, "--layout", "contiguous")),
+    (2, ("--dp", 2, "--zero-stage", 1)), (2, ("--tp", 2, "--sequence-parallel")),
+    (2, ("--ep", 2, *EXPERTS)), (2, ("--ep", 2, *EXPERTS, "--capacity-factor", 1)), (2, ("--cp", 2, "--ep", 2, *EXPERTS)),
+    (4, ("--dp", 2, "--tp", 2)), (4, ("--dp", 2, "--pp", 2)), (4, ("--dp", 2, "--cp", 2)),
+    (4, ("--tp", 2, "--pp", 2)), (4, ("--tp", 2, "--cp", 2)), (4, ("--pp", 2, "--cp", 2)),
+    (4, ("--dp", 2, "--cp", 2, "--layout", "contiguous", "--zero-stage", 1)),
+    (4, ("--tp", 2, "--cp", 2, "--sequence-parallel")),
+    (4, ("--tp", 2, "--ep", 2, *EXPERTS)), (4, ("--pp", 2, "--ep", 2, *EXPERTS)),
+    (4, ("--dp", 2, "--cp", 2, "--ep", 4, *EXPERTS, "--capacity-factor", 1)),
+    (8, ("--dp", 2, "--tp", 2, "--pp", 2)), (8, ("--dp", 2, "--cp", 2, "--tp", 2)),
+    (8, ("--pp", 2, "--cp", 2, "--tp", 2, "--sequence-parallel")), (8, ("--pp", 2, "--dp", 2, "--cp", 2, "--zero-stage", 1)),
+    (8, ("--pp", 2, "--dp", 4, "--ep", 2, *EXPERTS, "--zero-stage", 1)),
+    (16, ("--dp", 2, "--tp", 2, "--pp", 2, "--cp", 2, "--ep", 2, *EXPERTS, "--sequence-parallel", "--zero-stage", 1)),
+]
+
+
+def matrix_cases(ctx):
+    """Every grid of MATRIX that fits the job, each on the job's first N ranks (the others sleep),
+    one after the other: the matrix is of differences against one process, not of ratios."""
+    hp = "hybrid_parallel"
+    return [Case(f"{hp}.py " + (" ".join(map(str, flags)) or "(one process)"),
+                 {"kind": "strategy", "strategy": hp, "n": n, "flags": [str(f) for f in flags]},
+                 on_first(n, strategy(hp, *MATRIX_NETWORK, *flags)))
+            for n, flags in MATRIX if n <= ctx.comm.Get_size()]
+
+
+# -----------------------------------------------------------------------------
 # Context parallelism: ring, all-gather and all-to-all; zigzag against contiguous; torch's context_parallel
 # -----------------------------------------------------------------------------
 CP_NETWORK = ("--seq-len", 240)  # twice the script's default sequence, the same in every case and N
@@ -1154,7 +1190,7 @@ def scaling_cases(ctx):
 
 GROUPS = {"dp": data_parallel_cases, "pp": pipeline_cases, "tp": tensor_cases, "zero": zero_cases,
           "hybrid": hybrid_cases, "cp": context_cases, "ep": expert_cases, "scaling": scaling_cases,
-          "transport": transport_cases, "large": large_cases, "precision": precision_cases}
+          "transport": transport_cases, "large": large_cases, "precision": precision_cases, "matrix": matrix_cases}
 CONFIG_OF = {"dp": "data_parallel", "pp": "pipeline_parallel", "tp": "tensor_parallel",
              "zero": "sharded_data_parallel", "hybrid": "hybrid_parallel", "cp": "context_parallel",
              "ep": "expert_parallel"}
@@ -1193,6 +1229,8 @@ def config(group, world_size):
     """The network and batch of a group, as its strategy file's defaults set them."""
     if group == "large":
         return dict(zip(("layers", "hidden", "heads", "seq_len"), LARGE[1::2]))
+    if group == "matrix":
+        return {k.lstrip("-").replace("-", "_"): v for k, v in zip(MATRIX_NETWORK[0::2], MATRIX_NETWORK[1::2])}
     try:
         if group == "hybrid":  # its default grid (all data-parallel) does not split the batch at 8 ranks
             a = importlib.import_module(CONFIG_OF[group]).parse_args([str(f) for f in hybrid_grid(2, 2, 2)],

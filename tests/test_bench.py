@@ -107,6 +107,24 @@ def test_the_hybrid_table_gives_each_grid_against_2x2x2_and_says_what_8_ranks_on
     assert "Hybrid, N = 8 †: hybrid_parallel.py --dp 8 is faster than the 2 × 2 × 2 grid: 0.55×" in text
 
 
+def test_the_exactness_matrix_gives_every_grid_its_difference_verdict_time_peak_and_bytes_by_axis():
+    def grid(n, flags, diff, passed=True):
+        return case(f"hybrid_parallel.py {flags}", {"kind": "strategy", "strategy": "hybrid_parallel", "n": n},
+                    [0.05], check_max_abs_diff=diff, check_passed=passed, peak_memory_bytes_per_rank=[3e6, 4e6],
+                    comm_bytes_per_step_by_axis={"data": 1e6, "tensor": 0, "pipeline": 0, "context": 0, "expert": 2e6})
+    job = {"group": "matrix", "ranks": 16, "env": {}, "error": None, "load": [1.0, 2.0], "result": {
+        "steps": 3, "rounds": 1, "config": {"layers": 3, "hidden": 16, "heads": 2, "batch_size": 8, "seq_len": 8,
+                                            "micro_batches": 2}, "cases": [
+            grid(2, "--ep 2 --experts 4", 2.4e-7), grid(16, "--dp 2 --tp 2 --pp 2 --cp 2 --ep 2", 3e-5, False),
+            {"label": "hybrid_parallel.py --tp 8", "tags": {"kind": "strategy", "n": 8},
+             "result": {"error": "--tp 8 does not divide --heads 2"}}]}}
+    text = report.render({**META, "missing": []}, [job])
+    assert "| 2 | --ep 2 --experts 4 | 2.4e-07 pass | 50.0 | 4.00 | 1.00 / 0.00 / 0.00 / 0.00 / 2.00 |" in text
+    assert "| 16 † | --dp 2 --tp 2 --pp 2 --cp 2 --ep 2 | 3.0e-05 FAIL |" in text
+    assert "| 8 † | hybrid_parallel.py --tp 8 | not measured: --tp 8 does not divide --heads 2 |" in text
+    assert "3 blocks × 16 hidden × 2 heads" in text and "M = 2 micro-batches, 3 steps" in text
+
+
 def bare(label, mpi, gloo, kinds):
     """A strategy's step replayed bare: the rounds on MPI and on gloo, its exchanges by kind."""
     return {"label": f"{label}: its step's exchanges bare", "tags": {"kind": "bare", "of": label},
