@@ -74,6 +74,7 @@ import collections
 import contextlib
 import ctypes
 import errno
+import fractions
 import functools
 import hashlib
 import importlib.util
@@ -124,16 +125,21 @@ def rank_at(p, d, c, t, dp, cp, tp):
     return ((p * dp + d) * cp + c) * tp + t
 
 
-def make_grid(comm, pp, dp, cp, tp):
+def make_grid(comm, pp, dp, cp, tp, ep=1):
     """A Cartesian communicator of dimensions (pp, dp, cp, tp), in row-major order, so the last (tp)
     varies fastest: Megatron's order. Sub() keeps the dimensions marked True: the ranks that differ
-    only there. Returns this rank's communicator of each axis, by name."""
+    only there. Expert parallelism folds over "data": its D x C ranks, in (dp, cp) order, cut into
+    groups of E consecutive ones. Returns this rank's communicator of each axis, by name."""
     cart = comm.Create_cart([pp, dp, cp, tp], periods=[False] * 4, reorder=False)
     assert tuple(cart.Get_coords(cart.Get_rank())) == coordinates(comm.Get_rank(), dp, cp, tp)
     axes = {"pipeline": cart.Sub([True, False, False, False]),  # equal (dp, cp, tp): one pipeline, rank = stage
             "data": cart.Sub([False, True, True, False]),  # equal (pp, tp): the D x C ranks of one shard's weights
             "context": cart.Sub([False, False, True, False]),  # equal (pp, dp, tp): one sequence's ring
-            "tensor": cart.Sub([False, False, False, True])}  # equal (pp, dp, cp): one stage's matrices
+            "tensor": cart.Sub([False, False, False, True]),  # equal (pp, dp, cp): one stage's matrices
+            "stage": cart.Sub([False, True, True, True])}  # equal pp: every rank that routes the stage's tokens
+    r = axes["data"].Get_rank()
+    axes["expert"] = axes["data"].Split(r // ep, r)  # an expert group: E ranks that exchange tokens
+    axes["expert-data"] = axes["data"].Split(r % ep, r)  # the D x C / E ranks that hold the same experts
     cart.Free()
     return axes
 
@@ -343,12 +349,11 @@ def padded_vocab(tp):
 
 def shard_block(block, comm):
     """Megatron's block, in place: attention f -> qkv columns (this rank's heads) -> proj rows -> g,
-    MLP f -> fc1 columns -> GELU -> fc2 rows -> g. Block.forward is unchanged."""
-    block.qkv = ColumnParallelLinear(block.qkv, comm, groups=3)
-    block.proj = RowParallelLinear(block.proj, comm)
+    MLP f -> fc1 columns -> GELU -> fc2 rows -> g; a mixture of experts stays whole. Block.forward is unchanged."""
+    block.qkv, block.proj = ColumnParallelLinear(block.qkv, comm, groups=3), RowParallelLinear(block.proj, comm)
     block.heads //= comm.Get_size()
-    block.fc1 = ColumnParallelLinear(block.fc1, comm)
-    block.fc2 = RowParallelLinear(block.fc2, comm)
+    if isinstance(block.mlp, MLP):
+        block.mlp.fc1, block.mlp.fc2 = ColumnParallelLinear(block.mlp.fc1, comm), RowParallelLinear(block.mlp.fc2, comm)
     return block
 
 
@@ -497,6 +502,109 @@ class Ring:
 
 
 # -----------------------------------------------------------------------------
+# Expert parallelism within a stage: a mixture of experts, each expert group sharing the experts out
+# -----------------------------------------------------------------------------
+class MoE(nn.Module):
+    """The block's MLP as X expert MLPs (--experts). A router (a softmax, its top K; a tie to the lowest
+    index) sends each token to K of them: y = sum of gate x expert(x), in the order of the choices."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.router = nn.Linear(args.hidden, args.experts, bias=False)
+        self.experts = nn.ModuleList(MLP(args.hidden) for _ in range(args.experts))
+        self.top_k, self.capacity_factor, self.aux_coef = args.top_k, args.capacity_factor, args.aux_loss_coef
+        self.group = self.routers = None  # expert_parallel() sets them, and scale
+        self.scale, self.dropped, self.gap = 1.0, 0, math.inf  # the report's: pairs dropped, smallest top-k gap
+
+    def forward(self, x):
+        tokens, k, X = x.reshape(-1, x.size(-1)), self.top_k, self.router.out_features
+        probs = self.router(tokens).softmax(dim=-1)
+        ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+        self.gap = min(self.gap, (ranked[:, k - 1] - ranked[:, k]).min().item())
+        pairs, gates = order[:, :k].reshape(-1), ranked[:, :k]  # token t's choice c is pair t K + c
+        kept = torch.ones_like(pairs, dtype=torch.bool)
+        if self.capacity_factor is not None:  # an expert takes the first ceil(F K n / X) of this rank's pairs
+            limit = math.ceil(fractions.Fraction(repr(self.capacity_factor)) * k * len(tokens) / X)
+            kept = F.one_hot(pairs, X).cumsum(0).gather(1, pairs[:, None]).squeeze(1) <= limit
+        self.dropped += int((~kept).sum())
+        kept = kept.nonzero().squeeze(1)
+        kept = kept[pairs[kept].sort(stable=True).indices]  # by expert; in token order within one
+        out = self.run_experts(tokens[kept // k], torch.bincount(pairs[kept], minlength=X))
+        y = out.new_zeros(len(pairs), out.size(1)).index_put((kept,), out).view(len(tokens), k, -1)
+        y = sum(gates[:, c, None] * y[:, c] for c in range(k))  # a dropped pair adds 0: the residual carries it
+        # Switch's load-balancing loss, alpha X sum_i f_i P_i: f_i the share of all routing ranks' pairs
+        # that chose expert i (the counts summed over the stage), P_i the mean probability of i here.
+        counts = allreduce(torch.bincount(pairs, minlength=X), self.routers)
+        aux = self.aux_coef * X * (counts / counts.sum() * probs.mean(dim=0)).sum() * self.scale
+        return LoadBalancing.apply(y.view_as(x), aux)
+
+    def run_experts(self, rows, sent):
+        """rows sorted by expert, sent[i] of them for expert i. Dispatch: each to the rank of the group
+        that holds its expert; each local expert runs once on its rows from every rank; combine: the
+        outputs back, in the order the rows left. The counts go first: Alltoall, then Alltoallv."""
+        size, local = self.group.Get_size(), len(self.experts)
+        received = sent  # [i x local + e]: rows from rank i for this rank's expert e
+        if size > 1:
+            received = torch.empty_like(sent)
+            buffer = mpi_buffer(received, send=False)
+            self.group.Alltoall(mpi_buffer(sent), buffer)
+            from_mpi(received, buffer)
+            back, forth = sent.view(size, local).sum(1).tolist(), received.view(size, local).sum(1).tolist()
+            rows = AllToAll.apply(rows, back, forth, self.group)  # dispatch
+        pieces = torch.arange(len(rows), device=rows.device).split(received.tolist())
+        by_expert = torch.cat([pieces[i * local + e] for e in range(local) for i in range(size)])
+        sizes = received.view(size, local).sum(0).tolist()
+        out = torch.cat([expert(x) for expert, x in zip(self.experts, rows[by_expert].split(sizes))])[by_expert.argsort()]
+        return AllToAll.apply(out, forth, back, self.group) if size > 1 else out  # combine
+
+
+def all_to_all(rows, send_rows, recv_rows, comm):
+    """MPI_Alltoallv of a matrix's rows: send_rows[j] consecutive rows to rank j, recv_rows[i] from rank i."""
+    out = rows.new_empty(sum(recv_rows), rows.size(1))
+    send, recv = mpi_buffer(rows.detach().contiguous()), mpi_buffer(out, send=False)
+    counts = [[n * rows.size(1) * rows.element_size() for n in numbers] for numbers in (send_rows, recv_rows)]
+    offsets = [[sum(c[:j]) for j in range(len(c))] for c in counts]  # in bytes: any dtype
+    comm.Alltoallv([send, (counts[0], offsets[0]), MPI.BYTE], [recv, (counts[1], offsets[1]), MPI.BYTE])
+    return from_mpi(out, recv)
+
+
+class AllToAll(torch.autograd.Function):
+    """The rows' exchange; backward, the same reversed: a row's gradient goes back where it came from."""
+
+    @staticmethod
+    def forward(ctx, rows, send_rows, recv_rows, comm):
+        ctx.reverse = (recv_rows, send_rows, comm)
+        return all_to_all(rows, send_rows, recv_rows, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, *ctx.reverse), None, None, None
+
+
+class LoadBalancing(torch.autograd.Function):
+    """Identity on the mixture's output; backward also gives the load-balancing loss its gradient, 1, so
+    that it trains the router on whichever stage it is, never carried to the last (Megatron's way)."""
+
+    @staticmethod
+    def forward(ctx, y, aux):
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, torch.ones((), device=dy.device)
+
+
+def expert_parallel(moe, group, routers, scale):
+    """Keep rank e's experts e X/E to (e + 1) X/E - 1 of its group, in place, marked for their own
+    gradient buckets; the mixture exchanges over group and counts the choices over routers."""
+    per = len(moe.experts) // group.Get_size()
+    moe.experts = nn.ModuleList(moe.experts[group.Get_rank() * per:(group.Get_rank() + 1) * per])
+    for p in moe.experts.parameters():
+        p.expert = True
+    moe.group, moe.routers, moe.scale = group, routers, scale
+
+
+# -----------------------------------------------------------------------------
 # Pipeline parallelism across stages: 1F1B as per-rank lists of actions, proven on paper
 # -----------------------------------------------------------------------------
 # op: forward, backward, send_act/recv_act (an activation), send_grad/recv_grad (its gradient), or
@@ -527,11 +635,12 @@ def one_f_one_b(pp, m, stage):
     return actions + [a for i in range(m - warmup, m) for a in backward(i)] + [Action("reduce", None)]
 
 
-def dry_run(lists, dp, cp, tp, m):
+def dry_run(lists, dp, cp, tp, m, experts=False):
     """Execute the lists of every rank of the grid on paper, one slot per forward or backward.
     A send never blocks (Isend); a receive waits for the send of the rank of equal (dp, cp, tp) one
     stage away. A forward or backward holds the tensor-parallel allreduces and the ring's hops, so
-    the C x T ranks of equal (pp, dp) run it together, and 'reduce' the D x C ranks of equal (pp, tp):
+    the C x T ranks of equal (pp, dp) run it together (with experts, the stage's D x C x T: the router's
+    counts), and 'reduce' the D x C ranks of equal (pp, tp):
     a group waits until every member is at the same action. Raises ScheduleError unless every rank runs each micro-batch's
     forward and backward once, after its inputs exist, and every message is received. Returns per
     rank the ideal timeline [(label, start, end)] and the peak count of micro-batches held."""
@@ -545,10 +654,10 @@ def dry_run(lists, dp, cp, tp, m):
         p, d, c, t = coordinates(r, dp, cp, tp)
         return rank_at(p + step, d, c, t, dp, cp, tp) if 0 <= p + step < pp else None
 
-    def group(r, op):  # who runs op together: the data-parallel group, or a stage's C x T ranks
+    def group(r, op):  # who runs op together: the data-parallel group, or a stage's C x T (or D x C x T) ranks
         p, d, c, t = coordinates(r, dp, cp, tp)
         return [rank_at(p, e, b, t, dp, cp, tp) for e in range(dp) for b in range(cp)] if op == "reduce" else \
-            [rank_at(p, d, b, u, dp, cp, tp) for b in range(cp) for u in range(tp)]
+            [rank_at(p, e, b, u, dp, cp, tp) for e in (range(dp) if experts else [d]) for b in range(cp) for u in range(tp)]
 
     def compute(r, op, i):
         needs = {"forward": [("act", i)] * (neighbour(r, -1) is not None),
@@ -627,28 +736,32 @@ class GradBuckets:
     which backward produces gradients. During the step's last backward (after it, a gradient holds
     all M micro-batches), a post-accumulate-grad hook counts a bucket's gradients and starts its
     non-blocking allreduce the moment the last one is in; finish() waits and divides by the N = D x C
-    ranks. zero=True (ZeRO-1): a reduce-scatter instead, so that rank r receives only the sum of slice
-    r of each bucket (padded to a multiple of N), left in self.shards for ShardedSGD to step."""
+    shares of the loss. groups: (parameters, the ranks that sum them): the dense over the N ranks of
+    equal (pp, tp), the experts over the N/E that hold them, in buckets of their own. zero=True (ZeRO-1):
+    a reduce-scatter instead, so that rank r of n receives only the sum of slice r of each bucket (padded
+    to a multiple of n), left in self.shards for ShardedSGD to step."""
 
-    def __init__(self, params, comm, bucket_bytes, zero=False):
-        self.comm, self.buckets, self.zero, size = comm, [[]], zero and comm.Get_size() > 1, 0
-        for p in reversed(list(params)):
-            if size >= bucket_bytes:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
+    def __init__(self, groups, shares, bucket_bytes, zero=False):
+        self.shares, self.zero, self.buckets, self.comms = shares, zero and shares > 1, [], []
+        for params, comm in groups:
+            size = bucket_bytes  # a group's first parameter opens a bucket
+            for p in reversed(list(params)):
+                if size >= bucket_bytes:
+                    self.buckets.append([])
+                    self.comms.append(comm)
+                    size = 0
+                self.buckets[-1].append(p)
+                size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
-        n = comm.Get_size()
-        self.padded = [-(-sum(p.numel() for p in b) // n) * n for b in self.buckets]  # a multiple of N
+        self.padded = [-(-sum(p.numel() for p in b) // c.Get_size()) * c.Get_size() for b, c in zip(self.buckets, self.comms)]
         self.shards = [None] * len(self.buckets)  # ZeRO-1: this rank's slice of each bucket's averaged gradient
         self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
         # The report's marks, not the strategy's: how many gradients the last backward has computed
         # (a hook of its own, first on each parameter), and that number as each allreduce was posted.
         self.computed, self.posted_at = 0, []
-        if comm.Get_size() > 1:
-            for p in self.bucket_of:
-                p.register_post_accumulate_grad_hook(self._computed)
+        for p, i in self.bucket_of.items() if shares > 1 else ():
+            p.register_post_accumulate_grad_hook(self._computed)
+            if self.comms[i].Get_size() > 1:  # else finish() only divides
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def start(self):
@@ -665,30 +778,33 @@ class GradBuckets:
         i = self.bucket_of[p]
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
-            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
-            if self.zero:  # each rank receives the sum of its own slice: 1/N of the bucket
+            flat, comm = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]), self.comms[i]
+            if self.zero:  # each rank receives the sum of its own slice: 1/n of the bucket
                 flat = F.pad(flat, (0, self.padded[i] - flat.numel()))
-                shard = flat.new_empty(self.padded[i] // self.comm.Get_size())
+                shard = flat.new_empty(self.padded[i] // comm.Get_size())
                 buffer = mpi_buffer(shard, nonblocking=True, send=False)
-                request = self.comm.Ireduce_scatter_block(mpi_buffer(flat, nonblocking=True), buffer, op=MPI.SUM)
+                request = comm.Ireduce_scatter_block(mpi_buffer(flat, nonblocking=True), buffer, op=MPI.SUM)
                 flat = shard
             else:
                 buffer = mpi_buffer(flat, nonblocking=True)
-                request = self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+                request = comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
             self.pending.append((i, flat, buffer, request))
             self.posted_at.append(self.computed)
         for *_, request in self.pending:
             request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
 
     def finish(self):
-        """Wait for every bucket; leave the gradients averaged over the D replicas in .grad."""
+        """Wait for every bucket; leave the sums divided by the N shares in .grad (ZeRO-1: in shards)."""
         self.exchanging = False
-        if self.comm.Get_size() == 1:
+        if self.shares == 1:
             return
-        assert len(self.pending) == len(self.buckets), "a gradient never arrived"
-        for i, flat, buffer, request in self.pending:
-            request.Wait()
-            flat = from_mpi(flat, buffer) / self.comm.Get_size()
+        alone = [(i, torch.cat([p.grad.reshape(-1) for p in b]), None) for i, b in enumerate(self.buckets)
+                 if self.comms[i].Get_size() == 1]  # experts no other rank holds: nothing to sum
+        assert len(self.pending) + len(alone) == len(self.buckets), "a gradient never arrived"
+        for i, flat, buffer, request in self.pending + [(i, flat, flat, request) for i, flat, request in alone]:
+            if request is not None:
+                request.Wait()
+            flat = from_mpi(flat, buffer) / self.shares
             if self.zero:
                 self.shards[i] = flat
                 continue
@@ -699,15 +815,15 @@ class GradBuckets:
 
 
 class ShardedSGD:
-    """ZeRO stage 1 (Megatron's distributed optimizer) over the N = D x C ranks of comm: rank r keeps
-    the momentum of slice r of each bucket only, 1/N of it. Its step: SGD on the slice (the parameters'
+    """ZeRO stage 1 (Megatron's distributed optimizer) over the n ranks of each bucket's comm: rank r
+    keeps the momentum of slice r of each bucket only, 1/n of it. Its step: SGD on the slice (the parameters'
     slice, the gradient's from the reduce-scatter), then an Allgather of every rank's updated slice
     into the bucket's parameters, so that every rank holds them all again for the next forward."""
 
     def __init__(self, buckets, lr):
-        self.buckets, comm = buckets, buckets.comm
-        self.slices = [nn.Parameter(torch.zeros(n // comm.Get_size(), device=b[0].device))
-                       for n, b in zip(buckets.padded, buckets.buckets)]
+        self.buckets = buckets
+        self.slices = [nn.Parameter(torch.zeros(n // c.Get_size(), device=b[0].device))
+                       for n, b, c in zip(buckets.padded, buckets.buckets, buckets.comms)]
         self.inner = torch.optim.SGD(self.slices, lr=lr, momentum=0.9)  # torch's own step, on slices
 
     def zero_grad(self, set_to_none=False):
@@ -716,17 +832,20 @@ class ShardedSGD:
                 p.grad.zero_()
 
     def step(self):
-        comm, r = self.buckets.comm, self.buckets.comm.Get_rank()
-        for piece, bucket, grad, n in zip(self.slices, self.buckets.buckets, self.buckets.shards, self.buckets.padded):
+        every = list(zip(self.slices, self.buckets.buckets, self.buckets.padded, self.buckets.comms))
+        for (piece, bucket, n, comm), grad in zip(every, self.buckets.shards):
             flat = F.pad(torch.cat([p.detach().reshape(-1) for p in bucket]), (0, n - sum(p.numel() for p in bucket)))
-            piece.data.copy_(flat.view(comm.Get_size(), -1)[r])  # the parameters' slice: float32, as the master
+            piece.data.copy_(flat.view(comm.Get_size(), -1)[comm.Get_rank()])  # the parameters' slice: float32, as the master
             piece.grad = grad
         self.inner.step()
-        for piece, bucket, n in zip(self.slices, self.buckets.buckets, self.buckets.padded):
-            whole = piece.new_empty(n)
-            buffer = mpi_buffer(whole, send=False)
-            comm.Allgather(mpi_buffer(piece.detach()), buffer)
-            whole, offset = from_mpi(whole, buffer), 0
+        for piece, bucket, n, comm in every:
+            whole = piece.detach().clone()  # n = 1: the whole bucket already
+            if comm.Get_size() > 1:
+                whole = piece.new_empty(n)
+                buffer = mpi_buffer(whole, send=False)
+                comm.Allgather(mpi_buffer(piece.detach()), buffer)
+                from_mpi(whole, buffer)
+            offset = 0
             with torch.no_grad():
                 for p in bucket:
                     p.copy_(whole[offset:offset + p.numel()].view_as(p))
@@ -814,31 +933,40 @@ def attend(qkv, heads, ring=None):
     return (weights @ v).transpose(1, 2).reshape(b, t, c)
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
-    weights, so float32 rounding differences between grids stay at rounding level."""
+class MLP(nn.Module):
+    """h -> 4h -> h with GELU: a block's MLP, and each expert of a mixture."""
 
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden):
         super().__init__()
-        self.heads, self.ring = heads, None  # a rank's Ring under context parallelism
-        self.ln1, self.qkv = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden)  # q, k, v side by side
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm decoder block, its MLP a mixture of experts with --experts. GELU and LayerNorm keep
+    training a smooth function of the weights: float32 rounding differences between grids stay small."""
+
+    def __init__(self, args):
+        super().__init__()
+        h, self.heads, self.ring = args.hidden, args.heads, None  # ring: a rank's Ring under context parallelism
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)  # q, k, v side by side
+        self.ln2, self.mlp = nn.LayerNorm(h), MoE(args) if args.experts else MLP(h)
 
     def forward(self, x):
         x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads, self.ring))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     """Token and position embeddings, --layers blocks, final LayerNorm, untied head."""
 
-    def __init__(self, layers, hidden, heads, seq_len):
+    def __init__(self, args):
         super().__init__()
-        self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
+        self.tokens, self.positions = nn.Embedding(VOCAB, args.hidden), nn.Embedding(args.seq_len, args.hidden)
+        self.blocks = nn.ModuleList(Block(args) for _ in range(args.layers))
+        self.norm, self.out = nn.LayerNorm(args.hidden), nn.Linear(args.hidden, VOCAB, bias=False)
 
     def forward(self, idx):
         x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
@@ -850,7 +978,7 @@ class GPT(nn.Module):
 def build_model(args):
     """The full model from the seed, on the CPU: the same network on every grid (GPT-2's init)."""
     torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
+    model = GPT(args)
     for mod in model.modules():
         if isinstance(mod, (nn.Linear, nn.Embedding)):
             nn.init.normal_(mod.weight, std=0.02)
@@ -861,15 +989,28 @@ def build_model(args):
 
 def build_stage(args, axes, device, model=None):
     """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone,
-    with a ring over the context-parallel ranks when there are several."""
-    s, pp, cp = axes["pipeline"].Get_rank(), axes["pipeline"].Get_size(), axes["context"]
+    with a ring over the context-parallel ranks when there are several, and its experts."""
+    s, pp, cp, model = axes["pipeline"].Get_rank(), axes["pipeline"].Get_size(), axes["context"], model or build_model(args)
     lo, hi = layer_split(args.layers, pp)[s]
+    for block in model.blocks[lo:hi] if args.experts else ():  # the load-balancing loss's share: see MoE
+        expert_parallel(block.mlp, axes["expert"], axes["stage"], 1 / (args.micro_batches * args.tp ** args.sequence_parallel))
     positions = shard_positions(args.seq_len, cp.Get_size(), args.layout)
     ring = Ring(cp, positions, device) if cp.Get_size() > 1 else None
     where = positions[cp.Get_rank()]  # with --sequence-parallel, tensor-parallel rank t's piece of them
     where = where.view(args.tp, -1)[axes["tensor"].Get_rank()] if args.sequence_parallel else where
-    return Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, axes["tensor"], ring,
+    return Stage(model, lo, hi, s == 0, s == pp - 1, axes["tensor"], ring,
                  where.to(device), args.sequence_parallel).to(device)
+
+
+def build_optimizer(args, stage, axes):
+    """The gradient buckets (the dense parameters' over "data", the experts' over "expert-data") and
+    the optimizer: ZeRO-1's with --zero-stage 1, else torch's SGD."""
+    experts = [p for p in stage.parameters() if getattr(p, "expert", False)]
+    dense = [p for p in stage.parameters() if not getattr(p, "expert", False)]
+    buckets = GradBuckets([(dense, axes["data"]), (experts, axes["expert-data"])], axes["data"].Get_size(),
+                          args.bucket_mb * 2**20, args.zero_stage == 1)
+    return buckets, ShardedSGD(buckets, args.lr) if buckets.zero else \
+        torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
 
 
 # -----------------------------------------------------------------------------
@@ -935,7 +1076,7 @@ def global_losses(comm, losses, reports, shares):
 
 def shard_config(args):
     """What a checkpoint's shards belong to: the grid that cut them, and the model."""
-    return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "layout": args.layout,
+    return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "ep": args.ep, "experts": args.experts, "layout": args.layout,
                      "zero_stage": args.zero_stage, "sequence_parallel": args.sequence_parallel}, "model": "GPT", "layers": args.layers,
             "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
 
@@ -951,13 +1092,11 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         # verdict; then each runs its own list, the one proven.
         lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.cp, args.tp)[0])
                  for r in range(comm.Get_size())]
-        ideal, _ = dry_run(lists, args.dp, args.cp, args.tp, args.micro_batches)
-        axes = make_grid(comm, args.pp, args.dp, args.cp, args.tp)
+        ideal, _ = dry_run(lists, args.dp, args.cp, args.tp, args.micro_batches, args.experts > 0)
+        axes = make_grid(comm, args.pp, args.dp, args.cp, args.tp, args.ep)
         counted = {axis: CountedComm(c, run.timeline) for axis, c in axes.items()}
         stage = build_stage(args, counted, run.device)
-        buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20, args.zero_stage == 1)
-        optimizer = ShardedSGD(buckets, args.lr) if buckets.zero else \
-            torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+        buckets, optimizer = build_optimizer(args, stage, counted)
         past, resumed = [], None
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
@@ -996,16 +1135,46 @@ def reference_training(args, device):
     """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear
     and F.cross_entropy, no MPI."""
     model = build_model(args).to(device)
+    for block in model.blocks if args.experts else ():
+        block.mlp.forward = functools.partial(reference_moe, block.mlp, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     losses = []
     for step in range(args.steps):
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad()
-        loss.backward()
+        (loss + sum(block.mlp.aux for block in model.blocks if args.experts)).backward()
         optimizer.step()
         losses.append(loss.item())
     return losses, model
+
+def reference_moe(moe, args, x):
+    """The mixture of experts in one process, written apart from MoE: its own top K (argmax: the lowest
+    index of a tie), capacity counted pair by pair in each rank's token order, every expert run on every
+    token and weighted by a matrix of gates, Switch's loss from its definition, micro-batch by micro-batch."""
+    B, S, _ = x.shape
+    X, K, M, D, T = len(moe.experts), moe.top_k, args.micro_batches, args.dp, args.tp if args.sequence_parallel else 1
+    probs, b = torch.softmax(x @ moe.router.weight.T, dim=-1), B // (D * M)  # b: a replica's sequences a micro-batch
+    left, choice = probs.detach().clone(), []
+    for _ in range(K):
+        choice.append(left.argmax(dim=-1))
+        left.scatter_(-1, choice[-1].unsqueeze(-1), -1.0)
+    choice, keep = torch.stack(choice, dim=-1), torch.ones(B, S, K, dtype=torch.bool).tolist()  # B x S x K
+    # The tokens each rank routed, in its order: sequences (d M + m) b to (d M + m + 1) b - 1 (micro-batch m of
+    # replica d), at the positions of context rank c (with --sequence-parallel, tensor rank t's piece of them).
+    for d, m, c, t in [(d, m, c, t) for d in range(D) for m in range(M) for c in range(args.cp) for t in range(T)]:
+        where = shard_positions(S, args.cp, args.layout)[c].view(T, -1)[t].tolist()
+        limit, taken = math.ceil(fractions.Fraction(repr(moe.capacity_factor or 0)) * K * b * len(where) / X), collections.Counter()
+        for i, p, j in [(i, p, j) for i in range((d * M + m) * b, (d * M + m + 1) * b) for p in where for j in range(K)]:
+            taken[int(choice[i, p, j])] += 1
+            keep[i][p][j] = moe.capacity_factor is None or taken[int(choice[i, p, j])] <= limit
+    moe.aux = 0
+    for m in range(M):  # Switch's alpha X sum_e f_e P_e over micro-batch m of every replica; the step's: their mean
+        rows = [(d * M + m) * b + i for d in range(D) for i in range(b)]
+        moe.aux = moe.aux + moe.aux_coef * X * sum((choice[rows] == e).sum() / choice[rows].numel() * probs[rows][..., e].mean()
+                                                   for e in range(X)) / M
+    gates = (F.one_hot(choice, X) * (probs.gather(-1, choice) * torch.tensor(keep, device=x.device)).unsqueeze(-1)).sum(-2)
+    return sum(gates[..., e:e + 1] * expert(x) for e, expert in enumerate(moe.experts))
 
 def check(comm, args, device, losses, stage, counted):
     """Rank 0 trains the reference (the whole model fits where it runs) and broadcasts it; each
@@ -1035,7 +1204,9 @@ def print_header(comm, args, run, stage, buckets, resumed):
     print0(comm, *run.header,
            f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
            f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
-           f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) {where}",
+           f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) {where}" + (f" | experts: {args.experts} a block, "
+           f"top-{args.top_k}, {args.experts // args.ep} on each rank of an expert group of {args.ep} of the {D * C} ranks of equal (pp, tp), "
+           + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}")) * (args.experts > 0),
            f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
            f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows"
            + f", {args.seq_len // (C * T)} positions between its layers (sequence parallelism)" * args.sequence_parallel,
@@ -1054,19 +1225,20 @@ FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis,
     ("data", True): ("reduce-scatters and all-gathers: one each per bucket per (pp, tp) group", "4W' x (D x C + 1)"),
     ("context", False): ("messages L x M x D x C x T x (3C - 2)", "L x (3C - 2) x 8BSh"),
     ("tensor", False): ("allreduces D x C x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
-    ("tensor", True): ("collectives D x C x M x (14L + 10)", "(4L + 2)(T + 1) x 4BSh + 12BST + 4MDCT(Sh + 6Lh + 2h)")}
+    ("tensor", True): ("collectives D x C x M x (14L + 10)", "(4L + 2)(T + 1) x 4BSh + 12BST + 4MDCT(Sh + 6Lh + 2h)"),
+    ("expert", False): ("collectives 5LMDCT/E + LM", "16h(KBST' - d) + 2 x 8XLMDCT")}
 
 def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
     P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
-    measured = per_axis(comm, counted, max(1, len(records)))
-    formula = formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
-                       comm.allgather(len(buckets.buckets)), comm.allgather(sum(buckets.padded)))
+    measured, moes = per_axis(comm, counted, max(1, len(records))), [b.mlp for b in stage.blocks if args.experts]
+    dropped = fractions.Fraction(comm.allreduce(sum(m.dropped for m in moes)), max(1, len(records)))
+    formula = formulas(args, comm.allgather(holdings(stage, buckets)), dropped)
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
     theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
     pipeline = [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
     slots = max(e for row in pipeline for _, _, e in row)
-    variant = {"pipeline": args.sequence_parallel, "data": buckets.zero, "context": False, "tensor": args.sequence_parallel}
+    variant = {"pipeline": args.sequence_parallel, "data": buckets.zero, "context": False, "tensor": args.sequence_parallel, "expert": False}
     text = {axis: FORMULA_TEXT[axis, v] for axis, v in variant.items()}
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
@@ -1077,11 +1249,13 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
              "communication per step, summed over the grid, measured | formula:",
              *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
                f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
-               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0)))]
+               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0), ("expert", 0)))]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
         "comm_bytes_per_step": sum(m[2] for m in measured.values()),
         "collectives_per_step": sum(m[0] for m in measured.values()),
-        "grid": {"pp": P, "dp": D, "cp": C, "tp": T}, "layout": args.layout, "zero_stage": args.zero_stage,
+        "grid": {"pp": P, "dp": D, "cp": C, "tp": T, "ep": args.ep}, "layout": args.layout, "zero_stage": args.zero_stage,
+        "experts": args.experts, "top_k": args.top_k, "capacity_factor": args.capacity_factor, "pairs_dropped_per_step": float(dropped),
+        "min_topk_gap": comm.allreduce(min([m.gap for m in moes], default=math.inf), op=MPI.MIN) if moes else None,
         "sequence_parallel": args.sequence_parallel, "micro_batches": M, "layer_split": layer_split(args.layers, P),
         "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
         "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
@@ -1110,32 +1284,45 @@ def overlap_counts(comm, events, m, buckets):
 
 def per_axis(comm, counted, steps_run):
     """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
-    counted once per group: its calls summed over the ranks, divided by the group's size."""
-    out = {}
-    for axis, c in counted.items():
-        collectives = ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather")
-        calls = comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
-        volume = comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
-        messages = comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
-        out[axis] = (calls / steps_run, messages / steps_run, volume / steps_run)
-    return out
+    counted once per group: its calls summed over the ranks, divided by the group's size. The
+    router's counts ("stage") belong to the expert axis, the experts' gradients ("expert-data") to data."""
+    out = collections.defaultdict(lambda: [0, 0, 0])
+    for name, c in counted.items():
+        collectives = ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather", "Alltoall", "Alltoallv")
+        total = out[{"stage": "expert", "expert-data": "data"}.get(name, name)]
+        total[0] += comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
+        total[1] += comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
+        total[2] += comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
+    return {axis: tuple(v / steps_run for v in total) for axis, total in out.items()}
 
-def formulas(args, stage_params, stage_buckets, stage_padded):
+def holdings(stage, buckets):
+    """This rank's parameters; its dense and its expert gradient buckets, and their elements padded for ZeRO-1."""
+    kinds = [getattr(b[0], "expert", False) for b in buckets.buckets]
+    return (sum(p.numel() for p in stage.parameters()), kinds.count(False), kinds.count(True),
+            *(sum(n for n, k in zip(buckets.padded, kinds) if k == kind) for kind in (False, True)))
+
+def formulas(args, held, dropped):
     """The docstring's formulas by axis, (collectives, messages, bytes) per step over the grid, from every
-    rank's count of parameters, of gradient buckets, and of their elements padded for ZeRO-1 (stage_*)."""
-    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
-    L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
-    activation, replicated, zero = 4 * B * S * h, S * h + 6 * L * h + 2 * h, args.zero_stage == 1 and D * C > 1
-    W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
-    assert sum(stage_params) == D * C * W  # what the ranks hold, added up
-    tensor = (D * C * M * (14 * L + 10), 0, (4 * L + 2) * (T + 1) * activation + 12 * B * S * T  # + the hooks' sums
-              + M * D * C * T * 4 * replicated) if args.sequence_parallel else \
-        (D * C * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))
-    return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * activation),
-            "data": ((sum(stage_buckets) // (D * C) * (D * C > 1), 0, D * C * 4 * W * (D * C > 1)) if not zero else
-                     (2 * sum(stage_buckets) // (D * C), 0, 4 * sum(stage_padded) + 4 * sum(stage_padded) // (D * C))),
-            "context": (0, L * M * D * C * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
-            "tensor": tensor}
+    rank's holdings() and the (token, choice) pairs dropped a step, all ranks' (a Fraction: exact)."""
+    P, D, C, T, M, E, X, K = args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.ep, args.experts, args.top_k
+    L, B, S, h, N, G = args.layers, args.batch_size, args.seq_len, args.hidden, args.dp * args.cp, 2 if args.experts else 4
+    activation, zero, expert, n = 4 * B * S * h, args.zero_stage == 1 and N > 1, 8 * h * h + 5 * h, N // E
+    replicated = S * h + 2 * h + L * (5 * h + X * h if X else 6 * h)  # held whole on every tensor-parallel rank
+    W = 2 * padded_vocab(T) * h + S * h + L * (4 * h * h + 8 * h + (X * h if X else 8 * h * h + 5 * h)) + 2 * h + (T - 1) * replicated
+    W_x = T * L * X // E * expert
+    params, dense_b, expert_b, dense_pad, expert_pad = (sum(v) for v in zip(*held))
+    assert params == N * (W + W_x)  # what the ranks hold, added up
+    tensor = (N * M * ((2 * G + 6 + 4 * X // E) * L + 10), 0, (G * L + 2) * (T + 1) * activation + 12 * B * S * T  # + the hooks' sums
+              + M * N * T * 4 * (replicated + L * X // E * expert)) if args.sequence_parallel else \
+        (N * M * (G * L + 5) * (T > 1), 0, T * ((G * L + 2) * activation + 3 * 4 * B * S) * (T > 1))
+    counts, routed = 8 * X * L * M * N * T, K * B * S * (1 if args.sequence_parallel else T)  # pairs a block, T copies or not
+    return {"pipeline": (0, 2 * M * (P - 1) * N * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * activation),
+            "data": ((dense_b // N * (N > 1) + expert_b // n * (n > 1), 0, N * 4 * (W * (N > 1) + W_x * (n > 1))) if not zero else
+                     (2 * dense_b // N + 2 * expert_b // n * (n > 1), 0, 4 * dense_pad + 4 * dense_pad // N + (4 * expert_pad + 4 * expert_pad // n) * (n > 1))),
+            "context": (0, L * M * N * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
+            "tensor": tensor,
+            "expert": (5 * L * M * N * T // E * (E > 1) + L * M * (N * T > 1), 0,
+                       float((16 * h * (L * routed - dropped) + counts) * (E > 1) + counts * (N * T > 1))) if X else (0, 0, 0)}
 
 def draw_timeline(rows, slots, width):
     """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
@@ -1165,6 +1352,12 @@ def parse_args(argv, world_size):
     p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
                    "up to 4, that it splits into)")
     p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
+    p.add_argument("--experts", type=COUNT_OR_0, default=0, help="expert MLPs in every block (0: the dense MLP)")
+    p.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
+    p.add_argument("--ep", type=COUNT, help="ranks of an expert group, folded over a stage's D x C (default: the most that divide D x C and the experts)")
+    p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(F K n / X) pairs per expert from each rank's n tokens (default: dropless)")
+    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01,
+                   help="alpha of the load-balancing loss")
     p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded "
                    "over the D x C ranks of equal (pp, tp) (ZeRO-1: reduce-scatter, step a slice, all-gather)")
     args = check_common(p.parse_args(argv))
@@ -1196,6 +1389,15 @@ def parse_args(argv, world_size):
                + f" x the {T} pieces of --sequence-parallel" * args.sequence_parallel)
         raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} --layers "
                           f"{args.layers} --seq-len {args.seq_len}: {'; '.join(works[:8]) or 'none'}{f' and {len(works) - 8} more' * (len(works) > 8)}")
+    X, N = args.experts, D * C
+    if args.ep and not X:
+        raise ConfigError(f"--ep {args.ep} shares out experts, but --experts is 0 (the dense MLP); add --experts, a multiple of {args.ep}")
+    E = args.ep = args.ep or (math.gcd(N, X) if X else 1)
+    if X and (N % E or X % E):
+        raise ConfigError(f"--ep {E} must divide both the D x C = {N} data- and context-parallel ranks of a stage and --experts {X}; use --ep "
+                          + " or ".join(str(e) for e in range(1, N + 1) if N % e == 0 == X % e))
+    if X and args.top_k >= X:
+        raise ConfigError(f"--top-k {args.top_k} of --experts {X} leaves the router no choice; use --experts {args.top_k + 1} or more")
     args.dp, share = D, args.batch_size // D if args.batch_size % D == 0 else 0
     M = args.micro_batches = args.micro_batches or next((k for k in range(min(4, share), 0, -1) if share % k == 0), 1)
     if args.batch_size % (D * M):
