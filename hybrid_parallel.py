@@ -1101,8 +1101,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
                                              lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
-            if shard is not None:
-                past = restore(stage, optimizer, shard)
+            if shard is not None:  # this rank's shard: the same grid wrote it
+                stage.load_state_dict(shard["model"])
+                optimizer.load_state_dict(shard["optimizer"])
+                past = shard["losses"]
         print_header(comm, args, run, stage, buckets, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
         losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets,
@@ -1132,13 +1134,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # like is compared with like; the losses, from the uncut model and compared first, show a cut
 # that loses or repeats a part of the model.
 def reference_training(args, device):
-    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear
-    and F.cross_entropy, no MPI."""
-    model = build_model(args).to(device)
+    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear and F.cross_entropy, no MPI."""
+    optimizer, losses = torch.optim.SGD((model := build_model(args).to(device)).parameters(), lr=args.lr, momentum=0.9), []
     for block in model.blocks if args.experts else ():
         block.mlp.forward = functools.partial(reference_moe, block.mlp, args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    losses = []
     for step in range(args.steps):
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -1149,26 +1148,19 @@ def reference_training(args, device):
     return losses, model
 
 def reference_moe(moe, args, x):
-    """The mixture of experts in one process, written apart from MoE: its own top K (argmax: the lowest
-    index of a tie), capacity counted pair by pair in each rank's token order, every expert run on every
-    token and weighted by a matrix of gates, Switch's loss from its definition, micro-batch by micro-batch."""
-    B, S, _ = x.shape
-    X, K, M, D, T = len(moe.experts), moe.top_k, args.micro_batches, args.dp, args.tp if args.sequence_parallel else 1
-    probs, b = torch.softmax(x @ moe.router.weight.T, dim=-1), B // (D * M)  # b: a replica's sequences a micro-batch
-    left, choice = probs.detach().clone(), []
-    for _ in range(K):
-        choice.append(left.argmax(dim=-1))
-        left.scatter_(-1, choice[-1].unsqueeze(-1), -1.0)
-    choice, keep = torch.stack(choice, dim=-1), torch.ones(B, S, K, dtype=torch.bool).tolist()  # B x S x K
+    """The mixture of experts in one process, written apart from MoE: its own top K, capacity counted pair by pair in each
+    rank's token order, every expert on every token weighted by a matrix of gates, Switch's loss from its definition."""
+    (B, S, _), X, K, M, D, F_ = x.shape, len(moe.experts), moe.top_k, args.micro_batches, args.dp, moe.capacity_factor
+    probs, b, T = torch.softmax(x @ moe.router.weight.T, dim=-1), B // (D * M), args.tp if args.sequence_parallel else 1
+    choice = probs.detach().argsort(dim=-1, descending=True, stable=True)[..., :K]  # B x S x K; a tie: the lowest index first
+    keep, moe.aux = torch.ones(B, S, K, dtype=torch.bool).tolist(), 0
     # The tokens each rank routed, in its order: sequences (d M + m) b to (d M + m + 1) b - 1 (micro-batch m of
-    # replica d), at the positions of context rank c (with --sequence-parallel, tensor rank t's piece of them).
-    for d, m, c, t in [(d, m, c, t) for d in range(D) for m in range(M) for c in range(args.cp) for t in range(T)]:
-        where = shard_positions(S, args.cp, args.layout)[c].view(T, -1)[t].tolist()
-        limit, taken = math.ceil(fractions.Fraction(repr(moe.capacity_factor or 0)) * K * b * len(where) / X), collections.Counter()
+    # replica d; b a micro-batch's), at the positions of context rank c (--sequence-parallel: tensor rank t's piece).
+    for d, m, c, t in [(d, m, c, t) for d in range(D) for m in range(M) for c in range(args.cp) for t in range(T)] if F_ else ():
+        where, taken = shard_positions(S, args.cp, args.layout)[c].view(T, -1)[t].tolist(), collections.Counter()
         for i, p, j in [(i, p, j) for i in range((d * M + m) * b, (d * M + m + 1) * b) for p in where for j in range(K)]:
             taken[int(choice[i, p, j])] += 1
-            keep[i][p][j] = moe.capacity_factor is None or taken[int(choice[i, p, j])] <= limit
-    moe.aux = 0
+            keep[i][p][j] = taken[int(choice[i, p, j])] <= math.ceil(fractions.Fraction(repr(F_)) * K * b * len(where) / X)
     for m in range(M):  # Switch's alpha X sum_e f_e P_e over micro-batch m of every replica; the step's: their mean
         rows = [(d * M + m) * b + i for d in range(D) for i in range(b)]
         moe.aux = moe.aux + moe.aux_coef * X * sum((choice[rows] == e).sum() / choice[rows].numel() * probs[rows][..., e].mean()
@@ -1177,103 +1169,85 @@ def reference_moe(moe, args, x):
     return sum(gates[..., e:e + 1] * expert(x) for e, expert in enumerate(moe.experts))
 
 def check(comm, args, device, losses, stage, counted):
-    """Rank 0 trains the reference (the whole model fits where it runs) and broadcasts it; each
-    rank cuts it as its own stage was cut and compares; every rank gets the largest difference."""
-    reference, ref_losses = build_model(args), None
-    flat = nn.utils.parameters_to_vector(reference.parameters()).detach()
-    if comm.Get_rank() == 0:
-        ref_losses, trained = reference_training(args, device)
-        flat = nn.utils.parameters_to_vector(trained.parameters()).detach().cpu()
+    """Rank 0 trains the reference (the whole model fits where it runs) and broadcasts it; each rank cuts it as its
+    stage was cut and compares; every rank gets the largest difference."""
+    reference, (ref_losses, trained) = build_model(args), reference_training(args, device) if comm.Get_rank() == 0 else (None, None)
+    flat = nn.utils.parameters_to_vector((reference if trained is None else trained).parameters()).detach().cpu()
     request = comm.Ibcast(flat, root=0)
     while not request.Test():
         time.sleep(POLL_S)  # the waiting ranks leave the cores to rank 0
     nn.utils.vector_to_parameters(flat, reference.parameters())
-    ref_stage = build_stage(args, counted, device, reference)
-    diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), ref_stage)
+    diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), build_stage(args, counted, device, reference))
     return comm.allreduce(diff, op=MPI.MAX)
 
 def print_header(comm, args, run, stage, buckets, resumed):
-    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
-    per_rank = comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
-    where = " ".join(f"{r}:{coordinates(r, D, C, T)}" for r in range(comm.Get_size()))
+    (P, D, C, T, M, X, E), per_rank = (args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.experts, args.ep), \
+        comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
     stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
                         * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
-    if resumed:
-        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
-                     f"(written by {resumed['world_size']} ranks)")
-    print0(comm, *run.header,
-           f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
-           f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
-           f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) {where}" + (f" | experts: {args.experts} a block, "
-           f"top-{args.top_k}, {args.experts // args.ep} on each rank of an expert group of {args.ep} of the {D * C} ranks of equal (pp, tp), "
-           + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}")) * (args.experts > 0),
-           f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
-           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows"
-           + f", {args.seq_len // (C * T)} positions between its layers (sequence parallelism)" * args.sequence_parallel,
-           f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
-           f"sequences of {args.seq_len} characters, each cut over {C} context-parallel ranks ({args.layout}: "
-           f"{args.seq_len // C} positions a rank) | schedule 1f1b, dry run of every rank's actions on the "
-           f"grid: each send meets its receive, each group meets in its collectives, no deadlock",
-           f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: "
-           f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB" + (f" | ZeRO-1: each rank steps 1/{D * C} "
-           f"of every bucket (its momentum alone), all-gathers the rest" if buckets.zero else ""))
+    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)"] if resumed else []),
+           *run.header, f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
+           f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters" + (f", each block's MLP {X} experts, top-{args.top_k}, "
+           + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}")) * (X > 0),
+           f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) " + " ".join(f"{r}:{coordinates(r, D, C, T)}" for r in
+           range(comm.Get_size())) + f" | expert groups of {E} of the {D * C} ranks of equal (pp, tp), {X // E} experts a block each" * (X > 0),
+           f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, {padded_vocab(T) // T} of {padded_vocab(T)} "
+           f"vocabulary rows" + f", {args.seq_len // (C * T)} positions between its layers (sequence parallelism)" * args.sequence_parallel,
+           f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} sequences of {args.seq_len} "
+           f"characters, each cut over {C} context-parallel ranks ({args.layout}: {args.seq_len // C} positions a rank) | schedule 1f1b, "
+           f"dry run of every rank's actions on the grid: each send meets its receive, each group meets in its collectives, no deadlock",
+           f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: {' '.join(str(b) for _, b in per_rank)}"
+           f" of <= {args.bucket_mb:g} MB" + " | ZeRO-1: each of a bucket's n ranks steps 1/n of it (its momentum alone), all-gathers the rest"
+           * buckets.zero)
 
 FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis, its variant) -> (count, bytes)
     ("pipeline", False): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x 4BSh"),
     ("pipeline", True): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x 4BSh (sequence-parallel)"),
-    ("data", False): ("allreduces: one per bucket per (pp, tp) group", "D x C x 4W"),
-    ("data", True): ("reduce-scatters and all-gathers: one each per bucket per (pp, tp) group", "4W' x (D x C + 1)"),
+    ("data", False): ("allreduces: one per bucket per group", "D x C x 4(W + W_x)"),
+    ("data", True): ("reduce-scatters and all-gathers: one each per bucket per group", "4W'(D x C + 1) + 4W_x'(D x C + E)"),
     ("context", False): ("messages L x M x D x C x T x (3C - 2)", "L x (3C - 2) x 8BSh"),
-    ("tensor", False): ("allreduces D x C x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
-    ("tensor", True): ("collectives D x C x M x (14L + 10)", "(4L + 2)(T + 1) x 4BSh + 12BST + 4MDCT(Sh + 6Lh + 2h)"),
-    ("expert", False): ("collectives 5LMDCT/E + LM", "16h(KBST' - d) + 2 x 8XLMDCT")}
+    ("tensor", False): ("allreduces D x C x M x (GL + 5)", "T x [(GL + 2) x 4BSh + 3 x 4BS]"),
+    ("tensor", True): ("collectives D x C x M x ((2G + 6 + 4X/E)L + 10)", "(GL + 2)(T + 1) x 4BSh + 12BST + 4MDCT x R"),
+    ("expert", False): ("collectives 5LMDCT/E + LM", "16h(LKBST' - d) + 2 x 8XLMDCT")}
 
 def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
-    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
-    measured, moes = per_axis(comm, counted, max(1, len(records))), [b.mlp for b in stage.blocks if args.experts]
-    dropped = fractions.Fraction(comm.allreduce(sum(m.dropped for m in moes)), max(1, len(records)))
-    formula = formulas(args, comm.allgather(holdings(stage, buckets)), dropped)
+    P, D, C, T, M, steps_run = args.pp, args.dp, args.cp, args.tp, args.micro_batches, max(1, len(records))
+    moes = [b.mlp for b in stage.blocks if args.experts]  # dropped: (token, choice) pairs a step, all ranks'
+    measured, dropped = per_axis(comm, counted, steps_run), fractions.Fraction(comm.allreduce(sum(m.dropped for m in moes)), steps_run)
+    formula, gap = formulas(args, comm, stage, buckets, dropped), comm.allreduce(min([m.gap for m in moes], default=math.inf), op=MPI.MIN)
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
-    theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
-    pipeline = [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
-    slots = max(e for row in pipeline for _, _, e in row)
-    variant = {"pipeline": args.sequence_parallel, "data": buckets.zero, "context": False, "tensor": args.sequence_parallel, "expert": False}
-    text = {axis: FORMULA_TEXT[axis, v] for axis, v in variant.items()}
-    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
-             f"{math.log(VOCAB):.4f})",
+    theory, bubble, pipeline = (P - 1) / (M + P - 1), statistics.mean(waits), [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
+    slots, SP = max(e for row in pipeline for _, _, e in row), args.sequence_parallel
+    text = {a: FORMULA_TEXT[a, v] for a, v in (("pipeline", SP), ("data", buckets.zero), ("context", False), ("tensor", SP), ("expert", False))}
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
              "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
-             *draw_timeline(pipeline, slots, len(f"B{M - 1}") + 1),
+             *(f"stage {s} | " + "".join({start: name for name, start, _ in spans}.get(i, ".").ljust(len(f"B{M - 1}") + 1)
+                                         for i in range(slots)).rstrip() for s, spans in enumerate(pipeline)),  # a cell a slot, '.' idle
              f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
              f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
              "communication per step, summed over the grid, measured | formula:",
              *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
-               f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
-               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0), ("expert", 0)))]
+               f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,.0f}"
+               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0), ("expert", 0))),
+             *[f"experts: (token, choice) pairs dropped a step, all ranks: {float(dropped):g} | smallest gap between a token's K-th and "
+               f"(K+1)-th router probability: {gap:.1e} (float32 rounding, about 1e-7, may flip a smaller one: see the check)"] * bool(moes)]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
-        "comm_bytes_per_step": sum(m[2] for m in measured.values()),
-        "collectives_per_step": sum(m[0] for m in measured.values()),
+        "comm_bytes_per_step": sum(m[2] for m in measured.values()), "collectives_per_step": sum(m[0] for m in measured.values()),
         "grid": {"pp": P, "dp": D, "cp": C, "tp": T, "ep": args.ep}, "layout": args.layout, "zero_stage": args.zero_stage,
-        "experts": args.experts, "top_k": args.top_k, "capacity_factor": args.capacity_factor, "pairs_dropped_per_step": float(dropped),
-        "min_topk_gap": comm.allreduce(min([m.gap for m in moes], default=math.inf), op=MPI.MIN) if moes else None,
-        "sequence_parallel": args.sequence_parallel, "micro_batches": M, "layer_split": layer_split(args.layers, P),
-        "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
-        "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
-        "messages_per_step": measured["pipeline"][1],
+        "experts": args.experts, "top_k": args.top_k, "capacity_factor": args.capacity_factor, "pairs_dropped_per_step":
+        float(dropped), "min_topk_gap": gap if moes else None, "sequence_parallel": SP, "micro_batches": M,
+        "layer_split": layer_split(args.layers, P), "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
+        "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()}, "messages_per_step": measured["pipeline"][1],
         "formula_by_axis": {a: dict(zip(("collectives", "messages", "bytes"), v)) for a, v in formula.items()},
         "bubble_fraction": bubble, "bubble_fraction_theory": theory, "bubble_fraction_dry_run": 1 - 2 * M / slots,
         "overlap": overlap_counts(comm, run.timeline.step_events, M, buckets)})
 
 def overlap_counts(comm, events, m, buckets):
-    """The overlaps the lesson claims, in the step of `events` (a rank's timeline), summed over the
-    grid as [n, total]. buckets_posted_before_later_gradients: the data axis's bucket allreduces
-    posted before the last backward computed some later gradient, from GradBuckets' marks as the
-    step ran (a stage's last bucket closes with its last gradient and never counts). A pipeline send is in
-    flight from its Isend until the rank next blocks in a Wait on a send (Test, which never
-    blocks, does not end it); sends_in_flight_during_compute: the sends in whose flight a forward
-    or a backward began, that is, the rank computed instead of waiting. The schedule decides this
-    count, not the library's speed: 1F1B computes after every send but those that follow a
-    stage's last backward, (2M - 1)(P - 1) of the 2M(P - 1) sends of a pipeline."""
+    """The overlaps the lesson claims in the step of `events` (a rank's timeline), over the grid as [n, total]: the bucket
+    exchanges posted before the last backward computed a later gradient (GradBuckets' marks; a stage's last never counts);
+    the pipeline sends (in flight from Isend to the rank's next Wait on a send) in whose flight a forward or backward began:
+    1F1B's schedule, not the library's speed, makes it all but those after a stage's last backward, (2M - 1)(P - 1) of 2M(P - 1)."""
     compute = [b for name, _, b, _ in events if name in {f"{op}{i}" for op in "FB" for i in range(m)}]
     waits = sorted(b for name, _, b, _ in events if name == "Isend wait") + [math.inf]
     flights = [(b, next(w for w in waits if w >= b)) for name, _, b, _ in events if name == "Isend"]
@@ -1283,83 +1257,59 @@ def overlap_counts(comm, events, m, buckets):
             "sends_in_flight_during_compute": [comm.allreduce(v) for v in sends]}
 
 def per_axis(comm, counted, steps_run):
-    """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
-    counted once per group: its calls summed over the ranks, divided by the group's size. The
-    router's counts ("stage") belong to the expert axis, the experts' gradients ("expert-data") to data."""
-    out = collections.defaultdict(lambda: [0, 0, 0])
+    """Per step, summed over every rank, by axis: (collectives, messages, bytes), a collective once per group (its calls
+    over the ranks / its size); "stage" (the router's counts) is the expert axis's, "expert-data" the data axis's."""
+    out, collectives = collections.defaultdict(lambda: [0, 0, 0]), ("Allreduce", "Iallreduce", "Reduce_scatter_block",
+                                                                   "Ireduce_scatter_block", "Allgather", "Alltoall", "Alltoallv")
     for name, c in counted.items():
-        collectives = ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather", "Alltoall", "Alltoallv")
         total = out[{"stage": "expert", "expert-data": "data"}.get(name, name)]
         total[0] += comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
         total[1] += comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
         total[2] += comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
     return {axis: tuple(v / steps_run for v in total) for axis, total in out.items()}
 
-def holdings(stage, buckets):
-    """This rank's parameters; its dense and its expert gradient buckets, and their elements padded for ZeRO-1."""
-    kinds = [getattr(b[0], "expert", False) for b in buckets.buckets]
-    return (sum(p.numel() for p in stage.parameters()), kinds.count(False), kinds.count(True),
-            *(sum(n for n, k in zip(buckets.padded, kinds) if k == kind) for kind in (False, True)))
-
-def formulas(args, held, dropped):
-    """The docstring's formulas by axis, (collectives, messages, bytes) per step over the grid, from every
-    rank's holdings() and the (token, choice) pairs dropped a step, all ranks' (a Fraction: exact)."""
+def formulas(args, comm, stage, buckets, dropped):
+    """The docstring's formulas by axis, (collectives, messages, bytes) per step over the grid, from what every rank holds
+    (parameters; dense and expert gradient buckets, their elements padded for ZeRO-1) and the pairs `dropped` a step."""
     P, D, C, T, M, E, X, K = args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.ep, args.experts, args.top_k
-    L, B, S, h, N, G = args.layers, args.batch_size, args.seq_len, args.hidden, args.dp * args.cp, 2 if args.experts else 4
-    activation, zero, expert, n = 4 * B * S * h, args.zero_stage == 1 and N > 1, 8 * h * h + 5 * h, N // E
+    L, B, S, h, N, G, SP = args.layers, args.batch_size, args.seq_len, args.hidden, D * C, 2 if X else 4, args.sequence_parallel
+    activation, zero, expert, n, kinds = 4 * B * S * h, args.zero_stage == 1 and N > 1, 8 * h * h + 5 * h, N // E, [hasattr(b[0], "expert") for b in buckets.buckets]
+    params, dense_b, expert_b, dense_pad, expert_pad = (sum(v) for v in zip(*comm.allgather((sum(p.numel() for p in stage.parameters()),
+        kinds.count(False), kinds.count(True), *(sum(e for e, k in zip(buckets.padded, kinds) if k == kind) for kind in (False, True))))))
     replicated = S * h + 2 * h + L * (5 * h + X * h if X else 6 * h)  # held whole on every tensor-parallel rank
     W = 2 * padded_vocab(T) * h + S * h + L * (4 * h * h + 8 * h + (X * h if X else 8 * h * h + 5 * h)) + 2 * h + (T - 1) * replicated
-    W_x = T * L * X // E * expert
-    params, dense_b, expert_b, dense_pad, expert_pad = (sum(v) for v in zip(*held))
+    W_x, R, counts, routed = T * L * X // E * expert, replicated + L * X // E * expert, 8 * X * L * M * N * T, K * B * S * (1 if SP else T)
     assert params == N * (W + W_x)  # what the ranks hold, added up
-    tensor = (N * M * ((2 * G + 6 + 4 * X // E) * L + 10), 0, (G * L + 2) * (T + 1) * activation + 12 * B * S * T  # + the hooks' sums
-              + M * N * T * 4 * (replicated + L * X // E * expert)) if args.sequence_parallel else \
-        (N * M * (G * L + 5) * (T > 1), 0, T * ((G * L + 2) * activation + 3 * 4 * B * S) * (T > 1))
-    counts, routed = 8 * X * L * M * N * T, K * B * S * (1 if args.sequence_parallel else T)  # pairs a block, T copies or not
-    return {"pipeline": (0, 2 * M * (P - 1) * N * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * activation),
+    return {"pipeline": (0, 2 * M * (P - 1) * N * T, 2 * (P - 1) * (1 if SP else T) * activation),
             "data": ((dense_b // N * (N > 1) + expert_b // n * (n > 1), 0, N * 4 * (W * (N > 1) + W_x * (n > 1))) if not zero else
-                     (2 * dense_b // N + 2 * expert_b // n * (n > 1), 0, 4 * dense_pad + 4 * dense_pad // N + (4 * expert_pad + 4 * expert_pad // n) * (n > 1))),
+                     (2 * dense_b // N + 2 * expert_b // n * (n > 1), 0, 4 * dense_pad * (N + 1) // N + 4 * expert_pad * (n + 1) // n * (n > 1))),
             "context": (0, L * M * N * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
-            "tensor": tensor,
-            "expert": (5 * L * M * N * T // E * (E > 1) + L * M * (N * T > 1), 0,
+            "tensor": (N * M * ((2 * G + 6 + 4 * X // E) * L + 10), 0, (G * L + 2) * (T + 1) * activation + 12 * B * S * T + 4 * M * N * T * R)
+            if SP else (N * M * (G * L + 5) * (T > 1), 0, T * ((G * L + 2) * activation + 12 * B * S) * (T > 1)),
+            "expert": (5 * L * M * N * T // E * (E > 1) + L * M * (N * T > 1), 0,  # routed: pairs a block, T copies without SP
                        float((16 * h * (L * routed - dropped) + counts) * (E > 1) + counts * (N * T > 1))) if X else (0, 0, 0)}
 
-def draw_timeline(rows, slots, width):
-    """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
-    lines = []
-    for s, spans in enumerate(rows):
-        cells = ["."] * slots
-        for name, start, _ in spans:
-            cells[start] = name
-        lines.append(f"stage {s} | " + "".join(c.ljust(width) for c in cells).rstrip())
-    return lines
-
 def parse_args(argv, world_size):
-    p = common_arguments("Hybrid (pipeline x data x context x tensor) parallelism over MPI: a small GPT on "
+    p = common_arguments("Hybrid (pipeline x data x context x tensor x expert) parallelism over MPI: a small GPT on "
                          "Python's own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
-    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
-    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
-    p.add_argument("--pp", type=COUNT, default=1, help="pipeline stages")
-    p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (pp x cp x tp))")
-    p.add_argument("--cp", type=COUNT, default=1, help="context-parallel ranks: each holds S/C positions")
-    p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel "
-                   "ranks outside their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"),
-                   help="context parallelism's positions: chunks c and 2C-1-c of 2C (zigzag), or the c-th of C")
-    p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
-                   "up to 4, that it splits into)")
+    for flag, default, text in (("--layers", 4, "transformer blocks"), ("--hidden", 64, "hidden size"), ("--heads", 4, "attention heads"),
+                                ("--seq-len", 64, "characters per sequence"), ("--pp", 1, "pipeline stages"), ("--cp", 1, "context-parallel "
+                                "ranks: each holds S/C positions"), ("--tp", 1, "tensor-parallel ranks per stage"), ("--dp", None, "data-parallel "
+                                "replicas (default: world size / (pp x cp x tp))"), ("--micro-batches", None, "micro-batches per replica's "
+                                "share (default: the most, up to 4, that it splits into)"), ("--ep", None, "ranks of an expert group, folded "
+                                "over a stage's D x C (default: the most that divide D x C and the experts)")):
+        p.add_argument(flag, type=COUNT, default=default, help=text)
+    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel ranks outside "
+                   "their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"), help="context parallelism's positions: chunks c and "
+                   "2C-1-c of 2C (zigzag), or the c-th of C")
     p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
     p.add_argument("--experts", type=COUNT_OR_0, default=0, help="expert MLPs in every block (0: the dense MLP)")
     p.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
-    p.add_argument("--ep", type=COUNT, help="ranks of an expert group, folded over a stage's D x C (default: the most that divide D x C and the experts)")
     p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(F K n / X) pairs per expert from each rank's n tokens (default: dropless)")
-    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01,
-                   help="alpha of the load-balancing loss")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded "
-                   "over the D x C ranks of equal (pp, tp) (ZeRO-1: reduce-scatter, step a slice, all-gather)")
+    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01, help="alpha of the load-balancing loss")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded over the ranks that sum "
+                   "each gradient (ZeRO-1: reduce-scatter, step a slice, all-gather)")
     args = check_common(p.parse_args(argv))
     if args.precision != "fp32" or args.recompute != "none":
         raise ConfigError(f"--precision {args.precision} --recompute {args.recompute}: hybrid_parallel.py offers "
@@ -1367,21 +1317,18 @@ def parse_args(argv, world_size):
     if args.sequence_parallel and args.tp == 1:
         raise ConfigError("--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2 or more")
     if args.hidden % args.heads:
-        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
-                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a multiple of {args.heads}, or --heads that divides {args.hidden}")
     if args.seq_len > len(load_text()) - 2:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
     P, C, T = args.pp, args.cp, args.tp
-    D = args.dp or max(1, world_size // (P * C * T))
-    chunks = (lambda c: 2 * c if c > 1 else 1) if args.layout == "zigzag" else (lambda c: c)  # equal chunks of S
+    D, chunks = args.dp or max(1, world_size // (P * C * T)), (lambda c: 2 * c if c > 1 else 1) if args.layout == "zigzag" else (lambda c: c)
 
-    def grid_fits(p, d, c, t):
+    def grid_fits(p, d, c, t):  # equal chunks of S, heads, blocks
         return args.heads % t == 0 and p <= args.layers and args.seq_len % (chunks(c) * t ** args.sequence_parallel) == 0 \
             and (t > 1 or not args.sequence_parallel)
     if P * D * C * T != world_size or not grid_fits(P, D, C, T):
-        works = [f"--pp {world_size // (d * c * t)} --dp {d} --cp {c} --tp {t}" for d in range(1, world_size + 1)
-                 for c in range(1, world_size + 1) for t in range(1, world_size + 1)
-                 if world_size % (d * c * t) == 0 and grid_fits(world_size // (d * c * t), d, c, t)]
+        works = [f"--pp {world_size // (d * c * t)} --dp {d} --cp {c} --tp {t}" for d in range(1, world_size + 1) for c in range(1, world_size + 1)
+                 for t in range(1, world_size + 1) if world_size % (d * c * t) == 0 and grid_fits(world_size // (d * c * t), d, c, t)]
         why = (f"--pp {P} --dp {D} --cp {C} --tp {T} make {P * D * C * T} ranks, this job has {world_size}"
                if P * D * C * T != world_size else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
                else f"--pp {P} stages need at least {P} --layers, got {args.layers}" if args.layers < P
@@ -1389,28 +1336,19 @@ def parse_args(argv, world_size):
                + f" x the {T} pieces of --sequence-parallel" * args.sequence_parallel)
         raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} --layers "
                           f"{args.layers} --seq-len {args.seq_len}: {'; '.join(works[:8]) or 'none'}{f' and {len(works) - 8} more' * (len(works) > 8)}")
-    X, N = args.experts, D * C
-    if args.ep and not X:
-        raise ConfigError(f"--ep {args.ep} shares out experts, but --experts is 0 (the dense MLP); add --experts, a multiple of {args.ep}")
-    E = args.ep = args.ep or (math.gcd(N, X) if X else 1)
-    if X and (N % E or X % E):
-        raise ConfigError(f"--ep {E} must divide both the D x C = {N} data- and context-parallel ranks of a stage and --experts {X}; use --ep "
-                          + " or ".join(str(e) for e in range(1, N + 1) if N % e == 0 == X % e))
-    if X and args.top_k >= X:
-        raise ConfigError(f"--top-k {args.top_k} of --experts {X} leaves the router no choice; use --experts {args.top_k + 1} or more")
-    args.dp, share = D, args.batch_size // D if args.batch_size % D == 0 else 0
+    X, N, E = args.experts, D * C, args.ep or math.gcd(D * C, args.experts or 1)
+    if args.ep and not X or X and (N % E or X % E or args.top_k >= X):
+        raise ConfigError(f"--ep {E} shares out experts, but --experts is 0 (the dense MLP); add --experts, a multiple of {E}" if not X else
+                          f"--top-k {args.top_k} of --experts {X} leaves the router no choice; use --experts {args.top_k + 1} or more" if args.top_k >= X
+                          else f"--ep {E} must divide both the D x C = {N} data- and context-parallel ranks of a stage and --experts {X}; "
+                          f"use --ep " + " or ".join(str(e) for e in range(1, N + 1) if N % e == 0 == X % e))
+    args.dp, args.ep, share = D, E if X else 1, args.batch_size // D if args.batch_size % D == 0 else 0
     M = args.micro_batches = args.micro_batches or next((k for k in range(min(4, share), 0, -1) if share % k == 0), 1)
     if args.batch_size % (D * M):
         fits = ", ".join(str(k) for k in range(1, share + 1) if share % k == 0)
         raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x {M} micro-batches; "
                           f"use {f'--micro-batches {fits}, or ' if fits else ''}a --batch-size multiple of {D * M}")
     return args
-
-def restore(stage, optimizer, shard):
-    """Load this rank's shard (the same grid wrote it); returns the losses so far."""
-    stage.load_state_dict(shard["model"])
-    optimizer.load_state_dict(shard["optimizer"])
-    return shard["losses"]
 
 # --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
 def max_difference(losses, state, ref_losses, ref_model):
