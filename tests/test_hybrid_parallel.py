@@ -300,7 +300,8 @@ def test_zero_1_trains_like_one_process_with_a_slice_of_the_momentum_on_each_ran
 def skip_the_all_gather(buckets, optimizer):
     """A planted bug: the all-gather replaced by copies of this rank's own slice, so that the updates
     of the other slices never arrive."""
-    optimizer.buckets.comm.Allgather = lambda send, recv: recv[:].copy_(torch.cat([send] * (len(recv) // len(send))))
+    for comm in buckets.comms:
+        comm.Allgather = lambda send, recv: recv[:].copy_(torch.cat([send] * (len(recv) // len(send))))
 
 
 @pytest.mark.mpi
