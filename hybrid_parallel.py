@@ -856,9 +856,9 @@ def build_stage(args, axes, device, model=None):
     with a ring over the context-parallel ranks when there are several, and its experts."""
     s, pp, cp, model = axes["pipeline"].Get_rank(), axes["pipeline"].Get_size(), axes["context"], model or build_model(args)
     lo, hi = layer_split(args.layers, pp)[s]
-    for moe in [block.mlp for block in model.blocks[lo:hi]] if args.experts else ():  # rank e of a group: experts eX/E..
+    for moe in [block.mlp for block in model.blocks[lo:hi]] if args.experts else ():  # rank e of a group: experts eX/E on
         e, per = axes["expert"].Get_rank(), args.experts // axes["expert"].Get_size()
-        moe.experts = nn.ModuleList(moe.experts[e * per:(e + 1) * per])  # marked for buckets of their own:
+        moe.experts = nn.ModuleList(moe.experts[e * per:(e + 1) * per])  # marked: their gradients, buckets of their own
         for p in moe.experts.parameters():
             p.expert = True
         moe.group, moe.routers, moe.scale = axes["expert"], axes["stage"], 1 / (args.micro_batches * args.tp ** args.sequence_parallel)
