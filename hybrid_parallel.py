@@ -1,28 +1,29 @@
-"""Hybrid parallelism over MPI: data, context, tensor and pipeline parallelism at once, on a 4-D grid of ranks.
+"""Hybrid parallelism over MPI: data, context, tensor, pipeline and expert parallelism at once, on one grid of ranks.
 
-What is split: everything, as Megatron-LM splits its largest models (Narayanan et al. 2021). The
-P x D x C x T ranks of the world form a grid (--pp P --dp D --cp C --tp T); a rank's place in it is
-written (pp, dp, cp, tp) throughout, the axis that varies slowest first:
-  pipeline (P): the blocks cut into P stages; each replica's share of the batch cut into M
-                micro-batches (--micro-batches) that flow through the stages in the 1F1B order;
+What is split: everything, as Megatron-LM splits its largest models (Narayanan et al. 2021). The P x D x C x T ranks of
+the world form a grid (--pp P --dp D --cp C --tp T); a rank's place in it is written (pp, dp, cp, tp), slowest first:
+  pipeline (P): the blocks cut into P stages; each replica's share of the batch cut into M micro-batches
+                (--micro-batches) that flow through the stages in the 1F1B order;
   data (D):     D replicas of that pipeline, each taking B/D of the global batch of B sequences;
-  context (C):  each sequence cut over C ranks, S/C positions each (--layout zigzag: chunks c and
-                2C-1-c of 2C, the same causal work on every rank; contiguous: the c-th block); attention
-                by ring: the K/V blocks go round the C ranks, merged by the softmax's log-sum-exp
-                (Liu et al. 2023), the only layer that needs another rank's positions;
-  tensor (T):   within a stage every weight matrix split over T ranks: Megatron's f and g, column- and
-                row-parallel linears, the vocabulary-parallel embedding and cross-entropy (Shoeybi 2019);
-                --sequence-parallel also cuts the S/C positions over the T ranks between those layers
-                (LayerNorms, residuals): f and g become all-gather and reduce-scatter (Korthikanti 2022).
-The D x C ranks of equal (pp, tp) hold the same weights and saw different tokens: one gradient
-allreduce averages over all of them (Megatron's data-parallel group with context parallelism).
+  context (C):  each sequence cut over C ranks, S/C positions each (--layout zigzag: chunks c and 2C-1-c of 2C, the
+                same causal work on every rank; contiguous: the c-th block); attention by ring: the K/V blocks go
+                round the C ranks, merged by the softmax's log-sum-exp (Liu et al. 2023);
+  tensor (T):   within a stage every weight matrix split over T ranks: Megatron's f and g, column- and row-parallel
+                linears, the vocabulary-parallel embedding and cross-entropy (Shoeybi 2019); --sequence-parallel also
+                cuts the S/C positions over the T ranks between those layers (LayerNorms, residuals): f and g become
+                all-gather and reduce-scatter (Korthikanti 2022);
+  expert (E):   --experts X: each block's MLP is X expert MLPs, a router sends each token to its top K (GShard;
+                Switch, Fedus et al. 2021). No ranks of its own: the D x C ranks of equal (pp, tp) fold into groups
+                of E consecutive ones (Megatron's expert-data-parallel folding); rank e of a group holds experts eX/E
+                to (e+1)X/E - 1, and a token's row goes to its expert's rank and back by Alltoallv (MoE says more).
+The D x C ranks of equal (pp, tp) hold the same dense weights and saw different tokens: one gradient allreduce
+averages over them all; an expert's, over the D x C / E ranks that hold it, is divided by D x C too (GradBuckets).
 
-  global rank = ((pp x D + dp) x C + cp) x T + tp. Tensor fastest: its allreduces sit inside every
-  layer, on the critical path, so its T ranks share a node's fastest links (T <= 8 GPUs of a node);
-  context next: a ring hop per block and layer, still within a node when C x T <= 8 (4 or 8 GPUs);
-  data next: one allreduce a step, hidden behind backward, may cross nodes; pipeline outermost: one
-  activation per micro-batch and stage boundary, the least traffic, across nodes.
-  --pp 2 --dp 2 --cp 2 --tp 2 on 16 ranks, the ranks of stage 0 (stage 1: the same + 8):
+  global rank = ((pp x D + dp) x C + cp) x T + tp. Tensor fastest: its allreduces sit inside every layer, on the
+  critical path, so its T ranks share a node's fastest links; context next: a ring hop per block and layer, within a
+  node (4 or 8 GPUs) when C x T <= 8; an expert group's all-to-alls too when E x T <= 8 (E consecutive ranks of "data", context
+  first); data next: one allreduce a step, hidden behind backward, may cross nodes; pipeline outermost: one
+  activation per micro-batch and stage boundary, the least traffic. --pp 2 --dp 2 --cp 2 --tp 2, stage 0's ranks:
 
                  cp 0 (positions of chunks 0, 3)    cp 1 (chunks 1, 2)
    replica 0    [ rank 0 | rank 1 ]  <== ring ==>  [ rank 2 | rank 3 ]   == activations ==> ranks 8-11
@@ -30,43 +31,42 @@ allreduce averages over all of them (Megatron's data-parallel group with context
                     gradient allreduce over the D x C ranks of equal tp (0-2-4-6, 1-3-5-7)
                     |        |                         |        |
    replica 1    [ rank 4 | rank 5 ]  <== ring ==>  [ rank 6 | rank 7 ]   == activations ==> ranks 12-15
-  [ a | b ]: a tensor-parallel group (0-1, 2-3, ...); ring: the context-parallel ranks of equal
-  (pp, dp, tp) (0-2, 1-3, ...); ==>: point-to-point between the ranks of equal (dp, cp, tp) (0-8, ...).
+  [ a | b ]: a tensor-parallel group (0-1, ...); ring: the ranks of equal (pp, dp, tp) (0-2, ...); ==>: point-to-
+  point between the ranks of equal (dp, cp, tp) (0-8, ...). --ep 2 --experts 4: the expert groups 0-2, 4-6, 1-3,
+  5-7 (experts 0-1 on ranks 0 and 4, 2-3 on ranks 2 and 6; ...).
 
-Communication per step, summed over every rank of the grid (L blocks, B sequences of S characters,
-hidden size h, M micro-batches, float32 = 4 bytes, A = 4BSh the bytes of one activation of the whole
-batch; an axis of size 1 moves nothing):
-  pipeline: 2M(P - 1) x D x C x T messages, 2(P - 1) x T x A bytes: each of a stage's T ranks sends its
-            own copy of its positions' activation to its peer in the next stage.
-  data:     one allreduce per bucket (--bucket-mb) in each of the P x T groups of equal (pp, tp);
-            D x C x 4W bytes, W the parameters of one replica: the model's, its vocabulary padded to a
-            multiple of T, plus (T - 1) x (Sh + 6Lh + 2h) held whole on every tensor-parallel rank
-            (LayerNorms, position embedding, row-parallel biases).
-  context:  L x M x D x C x T x (3C - 2) Sendrecvs, L x (3C - 2) x 2A bytes: per block and micro-batch
-            each rank passes its K/V (2 x 4b(S/C)(h/T) bytes) C - 1 hops forward, C - 1 again in
-            backward, and the dK/dV accumulators C hops home.
-  tensor:   D x C x M x (4L + 5) allreduces (per micro-batch and (dp, cp): 2 per block forward (g),
-            2 backward (f), the embedding's g, the head's f, 3 for the loss);
-            T x [(4L + 2) x A + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
-  tensor, --sequence-parallel: D x C x M x (14L + 10) collectives, (4L + 2)(T + 1) x A + 12BST +
-            4MDCT(Sh + 6Lh + 2h) bytes: per block 2 all-gathers and 2 reduce-scatters each way, and per
-            micro-batch an allreduce of each replicated parameter's gradient; the pipeline's bytes fall to 2(P - 1) x A.
+Communication per step, summed over the grid (L blocks, B sequences of S characters, hidden h, M micro-batches,
+float32, A = 4BSh bytes, one activation of the whole batch; an axis of size 1 moves nothing; G = 4 f/g pairs a
+block, 2 with experts, which need none; R_d = Sh + 6Lh + 2h the parameters whole on every tensor-parallel rank
+(LayerNorms, positions, row-parallel biases), Sh + (5 + X)Lh + 2h with experts (the routers); W_x = TL(X/E)x(8h^2+5h)):
+  pipeline: 2M(P - 1) x D x C x T messages, 2(P - 1) x T x A bytes: each of a stage's T ranks sends its copy.
+  data:     one allreduce per bucket (--bucket-mb) in each group of equal (pp, tp), the experts' apart; D x C x 4W
+            bytes, W the dense parameters of a replica (its vocabulary padded to a multiple of T) + (T - 1) x R_d;
+            + D x C x 4W_x when D x C / E > 1 (W_x: a replica's experts, whole on each tensor-parallel rank).
+  context:  L x M x D x C x T x (3C - 2) Sendrecvs, L x (3C - 2) x 2A bytes: each rank's K/V C - 1 hops forward,
+            C - 1 again in backward, the dK/dV accumulators C hops home (RingAttention).
+  tensor:   D x C x M x (GL + 5) allreduces (G/2 per block forward (g), G/2 backward (f), the embedding's g, the
+            head's f, 3 for the loss); T x [(GL + 2) x A + 3 x 4BS] bytes.
+  tensor, --sequence-parallel: D x C x M x ((2G + 6 + 4X/E)L + 10) collectives, (GL + 2)(T + 1) x A + 12BST +
+            4MDCT x R bytes, R = R_d + W_x/T: the gathers and scatters, and per micro-batch an allreduce of each
+            replicated parameter's gradient (experts too); the pipeline's bytes fall to 2(P - 1) x A.
+  expert:   5LMDCT/E + LM collectives, 16h(LKBST' - d) + 2 x 8XLMDCT bytes: per block and micro-batch in each
+            group an Alltoall of the counts and 4 Alltoallv (dispatch, combine, each way) of a row per kept (token,
+            choice) pair, and over each stage an Allreduce of the router's counts; T' = T (1 with sequence
+            parallelism), d the pairs dropped a step (--capacity-factor; dropless without).
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
-  ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each
-            bucket (still posted in backward) and an Allgather of the updated parameters after the step:
-            2 collectives per bucket, 4W' x (D x C + 1) bytes, W' = W with each bucket padded to a multiple
-            of D x C; rank r of the D x C steps only slice r of each bucket, and keeps its momentum alone.
-Memory per rank, float32, W_r its stage's parameters (its share of the T-way split): weights 4W_r,
-  gradients 4W_r, momentum 4W_r (--zero-stage 1: 4W_r'/(D x C), W_r' padded as above); activations of
-  up to min(M, P - s) micro-batches in flight on stage s (1F1B), each b x S/C positions.
+  ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each bucket
+            (still posted in backward) and an Allgather of the updated parameters after the step: 2 collectives per
+            bucket, 4W'(D x C + 1) + 4W_x'(D x C + E) bytes, W' = W padded bucket by bucket to a multiple of the n
+            ranks that sum it (n = D x C; D x C / E for W_x'); rank r of n steps and keeps the momentum of slice r.
+Memory per rank, float32, W_r its stage's parameters (its share of the T-way split, its X/E experts a block): weights
+  4W_r, gradients 4W_r, momentum 4W_r (--zero-stage 1: 4W_r'/n); activations of up to min(M, P - s) micro-batches
+  in flight on stage s (1F1B), each b x S/C positions.
 
-When to choose it: the model outgrows one node, or the sequence one device's memory. Tensor inside a
-node, context next (long sequences), the pipeline across nodes, data parallelism over the replicas
-the devices leave; more micro-batches shrink the bubble.
-
-The network: the GPT of tensor_parallel.py and pipeline_parallel.py, on the source of Python's own
-argparse.py, textwrap.py and shlex.py.
-
+When to choose it: the model outgrows a node, or the sequence a device. Tensor inside a node, context next, the
+pipeline across nodes, data parallelism over the replicas left; experts when parameters must grow and compute not.
+The network: the GPT of tensor_parallel.py (with --experts, expert_parallel.py's MLPs), on Python's own argparse.py,
+textwrap.py and shlex.py.
 Run:  mpirun -np 16 python hybrid_parallel.py --pp 2 --dp 2 --cp 2 --tp 2     (add --help for the flags)
 """
 import argparse
@@ -74,10 +74,10 @@ import collections
 import contextlib
 import ctypes
 import errno
+import fractions
 import functools
 import hashlib
 import importlib.util
-import io
 import json
 import math
 import os
@@ -110,7 +110,6 @@ POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core 
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
 
-
 # -----------------------------------------------------------------------------
 # The grid: P x D x C x T ranks in Megatron's order, and one communicator per axis
 # -----------------------------------------------------------------------------
@@ -118,25 +117,26 @@ def coordinates(rank, dp, cp, tp):
     """(pp, dp, cp, tp) of a global rank: pp varies slowest, then dp, then cp, tp fastest."""
     return rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp
 
-
 def rank_at(p, d, c, t, dp, cp, tp):
     """The global rank at (pp, dp, cp, tp) = (p, d, c, t)."""
     return ((p * dp + d) * cp + c) * tp + t
 
-
-def make_grid(comm, pp, dp, cp, tp):
-    """A Cartesian communicator of dimensions (pp, dp, cp, tp), in row-major order, so the last (tp)
-    varies fastest: Megatron's order. Sub() keeps the dimensions marked True: the ranks that differ
-    only there. Returns this rank's communicator of each axis, by name."""
+def make_grid(comm, pp, dp, cp, tp, ep=1):
+    """A Cartesian communicator of dimensions (pp, dp, cp, tp), in row-major order, so the last (tp) varies fastest:
+    Megatron's order. Sub() keeps the dimensions marked True: the ranks that differ only there. Expert parallelism
+    folds over "data", its D x C ranks in (dp, cp) order cut into groups of E. Returns each axis's communicator."""
     cart = comm.Create_cart([pp, dp, cp, tp], periods=[False] * 4, reorder=False)
     assert tuple(cart.Get_coords(cart.Get_rank())) == coordinates(comm.Get_rank(), dp, cp, tp)
     axes = {"pipeline": cart.Sub([True, False, False, False]),  # equal (dp, cp, tp): one pipeline, rank = stage
             "data": cart.Sub([False, True, True, False]),  # equal (pp, tp): the D x C ranks of one shard's weights
             "context": cart.Sub([False, False, True, False]),  # equal (pp, dp, tp): one sequence's ring
-            "tensor": cart.Sub([False, False, False, True])}  # equal (pp, dp, cp): one stage's matrices
+            "tensor": cart.Sub([False, False, False, True]),  # equal (pp, dp, cp): one stage's matrices
+            "stage": cart.Sub([False, True, True, True])}  # equal pp: every rank that routes the stage's tokens
+    r = axes["data"].Get_rank()
+    axes["expert"] = axes["data"].Split(r // ep, r)  # an expert group: E ranks that exchange tokens
+    axes["expert-data"] = axes["data"].Split(r % ep, r)  # the D x C / E ranks that hold the same experts
     cart.Free()
     return axes
-
 
 # -----------------------------------------------------------------------------
 # Tensor parallelism within a stage: f and g, Megatron's layers, on the tensor-parallel communicator
@@ -150,17 +150,15 @@ def allreduce(t, comm, op=MPI.SUM):
         t = from_mpi(t, buffer)
     return t
 
-
 # MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
 # Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
 CUDA_AWARE = False
 
-
 def mpi_buffer(t, nonblocking=False, send=True):
-    """The buffer to hand MPI for t: t itself, or a pinned host copy (for a receive, an empty one).
-    Open MPI's non-blocking collectives never read GPU memory, CUDA-aware or not: always staged.
-    A receive into t itself waits too: t is fresh from the caching allocator, which hands out
-    memory that kernels still queued may read, and MPI writes outside the stream's order."""
+    """The buffer to hand MPI for t: t itself, or a pinned host copy (for a receive, an empty one). Open MPI's
+    non-blocking collectives never read GPU memory, CUDA-aware or not: always staged. A receive into t itself waits
+    too: t is fresh from the caching allocator, whose memory queued kernels may still read, and MPI writes outside
+    the stream's order."""
     if not t.is_cuda:
         return t
     if CUDA_AWARE and not nonblocking:
@@ -171,39 +169,29 @@ def mpi_buffer(t, nonblocking=False, send=True):
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t) if send else host  # copy_ waits for t's kernels
 
-
 def from_mpi(t, buffer):
     """Bring what MPI wrote into a host copy back to t; returns t."""
-    if buffer is not t:
-        t.copy_(buffer)
-    return t
-
+    return t if buffer is t else t.copy_(buffer)
 
 class f(torch.autograd.Function):
     """Identity forward, allreduce backward: before a column-parallel layer, whose input every
     rank holds whole; each rank's backward sees only the gradient through its own columns."""
-
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
         return x
-
     @staticmethod
     def backward(ctx, dy):
         return allreduce(dy, ctx.comm), None
 
-
 class g(torch.autograd.Function):
     """Allreduce forward, identity backward: sums the partial products of a row-parallel layer."""
-
     @staticmethod
     def forward(ctx, x, comm):
         return allreduce(x, comm)
-
     @staticmethod
     def backward(ctx, dy):
         return dy, None
-
 
 def gather_sequence(x, comm):
     """b x s x h on each of the T ranks -> b x Ts x h, rank t's positions at [ts, (t+1)s)."""
@@ -212,7 +200,6 @@ def gather_sequence(x, comm):
     buffer = mpi_buffer(every, send=False)
     comm.Allgather(mpi_buffer(x), buffer)
     return from_mpi(every, buffer).transpose(0, 1).flatten(1, 2)
-
 
 def scatter_sequence(x, comm):
     """b x Ts x h partial sums on each rank -> b x s x h: the sum over the ranks of rank t's positions."""
@@ -223,34 +210,27 @@ def scatter_sequence(x, comm):
     comm.Reduce_scatter_block(mpi_buffer(pieces), buffer, op=MPI.SUM)
     return from_mpi(mine, buffer)
 
-
 class GatherSequence(torch.autograd.Function):
     """Sequence parallelism's f (Korthikanti et al. 2022): before a column-parallel layer, all-gather
     the T ranks' pieces of the sequence; backward, reduce-scatter: each keeps its positions' sum."""
-
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
         return gather_sequence(x, comm)
-
     @staticmethod
     def backward(ctx, dy):
         return scatter_sequence(dy, ctx.comm), None
 
-
 class ScatterSequence(torch.autograd.Function):
     """Sequence parallelism's g: after a row-parallel layer, reduce-scatter the partial sums, so that
     each rank holds the whole sum for its piece of the sequence; backward, all-gather."""
-
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
         return scatter_sequence(x, comm)
-
     @staticmethod
     def backward(ctx, dy):
         return gather_sequence(dy, ctx.comm), None
-
 
 def shard(t, dim, comm, groups=1, padded=None):
     """This rank's slice of t along dim, as a parameter. groups=3: t is q, k, v side by side and
@@ -263,61 +243,49 @@ def shard(t, dim, comm, groups=1, padded=None):
     param.sliced = True  # a slice: its gradient is this rank's own (the others are whole on every rank)
     return param
 
-
 class ColumnParallelLinear(nn.Module):
     """Y_r = f(X) A_r + b_r: rank r's slice of the output features; X is whole on every rank."""
-
     def __init__(self, full, comm, groups=1, padded=None):
         super().__init__()
         self.comm, self.sequence_parallel = comm, False  # True: X comes cut along the sequence
         self.weight = shard(full.weight, 0, comm, groups, padded)
         self.bias = None if full.bias is None else shard(full.bias, 0, comm, groups, padded)
-
     def forward(self, x):
         x = GatherSequence.apply(x, self.comm) if self.sequence_parallel else f.apply(x, self.comm)
         return F.linear(x, self.weight, self.bias)
 
-
 class RowParallelLinear(nn.Module):
     """Y = g(X_r B_r) + b: rank r holds the rows of B for its slice X_r of the input features;
     the bias is whole on every rank and added once, after the sum."""
-
     def __init__(self, full, comm):
         super().__init__()
         self.comm, self.sequence_parallel = comm, False  # True: Y leaves cut along the sequence
         self.weight = shard(full.weight, 1, comm)
         self.bias = nn.Parameter(full.bias.detach().clone())
-
     def forward(self, x):
         sum_ = ScatterSequence if self.sequence_parallel else g
         return sum_.apply(F.linear(x, self.weight), self.comm) + self.bias
 
-
 class VocabParallelEmbedding(nn.Module):
     """Rank r owns the rows of a range of the vocabulary: it looks up the tokens in its range,
     writes zeros for the others, and g sums: every token's row comes from exactly one rank."""
-
     def __init__(self, full, comm, padded):
         super().__init__()
         self.comm, self.sequence_parallel = comm, False  # True: the sum leaves cut along the sequence
         self.weight = shard(full.weight, 0, comm, padded=padded)
         self.start = comm.Get_rank() * self.weight.size(0)
-
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.start + self.weight.size(0))
         rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
         sum_ = ScatterSequence if self.sequence_parallel else g
         return sum_.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
 
-
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy over tokens from each rank's slice of the logits: three allreduces of
     b x S numbers forward (max, the target's logit, the sum of exponentials), none backward."""
-
     @staticmethod
     def forward(ctx, logits, target, comm):
-        per = logits.size(-1)
-        start = comm.Get_rank() * per
+        per, start = logits.size(-1), comm.Get_rank() * logits.size(-1)
         padding = torch.arange(start, start + per, device=logits.device) >= VOCAB
         logits = logits.masked_fill(padding, float("-inf"))  # padded columns take no probability
         top = allreduce(logits.max(dim=-1).values, comm, op=MPI.MAX)
@@ -329,33 +297,27 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         total = allreduce(exps.sum(dim=-1), comm)
         ctx.save_for_backward(exps / total.unsqueeze(-1), local, owned)
         return (total.log() - picked).mean()
-
     @staticmethod
     def backward(ctx, dloss):
         softmax, local, owned = ctx.saved_tensors  # d loss / d logit = softmax - one-hot(target)
         grad = softmax.scatter_add(-1, local.unsqueeze(-1), -owned.unsqueeze(-1).to(softmax.dtype))
         return grad * (dloss / owned.numel()), None, None
 
-
 def padded_vocab(tp):
     return -(-VOCAB // tp) * tp
 
-
 def shard_block(block, comm):
     """Megatron's block, in place: attention f -> qkv columns (this rank's heads) -> proj rows -> g,
-    MLP f -> fc1 columns -> GELU -> fc2 rows -> g. Block.forward is unchanged."""
-    block.qkv = ColumnParallelLinear(block.qkv, comm, groups=3)
-    block.proj = RowParallelLinear(block.proj, comm)
+    MLP f -> fc1 columns -> GELU -> fc2 rows -> g; a mixture of experts stays whole. Block.forward is unchanged."""
+    block.qkv, block.proj = ColumnParallelLinear(block.qkv, comm, groups=3), RowParallelLinear(block.proj, comm)
     block.heads //= comm.Get_size()
-    block.fc1 = ColumnParallelLinear(block.fc1, comm)
-    block.fc2 = RowParallelLinear(block.fc2, comm)
+    if isinstance(block.mlp, MLP):
+        block.mlp.fc1, block.mlp.fc2 = ColumnParallelLinear(block.mlp.fc1, comm), RowParallelLinear(block.mlp.fc2, comm)
     return block
-
 
 class Stage(nn.Module):
     """Blocks [lo, hi) of the full model, with the embedding on the first stage and the final
     norm and head on the last, every matrix sharded over the tensor-parallel communicator."""
-
     def __init__(self, model, lo, hi, first, last, comm, ring=None, where=None, sequence_parallel=False):
         super().__init__()
         self.first, self.last, self.hidden, self.where = first, last, model.norm.normalized_shape[0], where
@@ -367,11 +329,10 @@ class Stage(nn.Module):
             block.ring = ring
         if last:
             self.norm, self.out = model.norm, ColumnParallelLinear(model.out, comm, padded=padded)
-        # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T
-        # ranks holds S/(C T) positions, so the f and g around them gather and scatter the sequence, and
-        # a parameter held whole on every rank (a LayerNorm, a row-parallel bias, the positions) gets the
-        # gradient of this rank's positions alone: a hook sums it over the T ranks as it is computed
-        # (each micro-batch; Megatron sums these once a step, after the last).
+        # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T ranks holds
+        # S/(C T) positions, so the f and g around them gather and scatter the sequence, and a parameter held whole on
+        # every rank (a LayerNorm, a row-parallel bias, the positions, a router, an expert) gets the gradient of this
+        # rank's positions alone: a hook sums it over the T ranks as it is computed (Megatron: once a step, after the last).
         self.cut = comm.Get_size() if sequence_parallel else 1  # a piece of the sequence per rank
         for layer in self.modules():
             if hasattr(layer, "sequence_parallel"):
@@ -379,7 +340,6 @@ class Stage(nn.Module):
         for p in self.parameters() if sequence_parallel else ():
             if not getattr(p, "sliced", False):
                 p.register_hook(functools.partial(allreduce, comm=comm))
-
     def forward(self, x):
         if self.first:  # this rank's global positions, wherever the layout put them
             x = self.tokens(x) + self.positions(self.where)
@@ -387,36 +347,28 @@ class Stage(nn.Module):
             x = block(x)
         return self.out(self.norm(x)) if self.last else x
 
-
 def layer_split(layers, pp):
-    """Blocks [lo, hi) of each stage, as even as can be; the extra blocks go to the first stages
-    (the last also runs the head and the loss)."""
+    """Blocks [lo, hi) of each stage, as even as can be; the extra ones to the first stages (the last has the head)."""
     sizes = [layers // pp + (s < layers % pp) for s in range(pp)]
     return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
-
 
 # -----------------------------------------------------------------------------
 # Context parallelism within a stage: the sequence cut over C ranks, attention by ring
 # -----------------------------------------------------------------------------
 def shard_positions(seq_len, cp, layout):
-    """Row c: the global positions context-parallel rank c holds. zigzag: chunks c and 2C-1-c of
-    2C, so that every rank has early and late positions and the same causal work; contiguous: the
-    c-th block of S/C (the last rank then attends to the most keys)."""
+    """Row c: the global positions context-parallel rank c holds. zigzag: chunks c and 2C-1-c of 2C, so that every
+    rank has early and late positions and the same causal work; contiguous: the c-th block of S/C."""
     if layout == "contiguous" or cp == 1:
         return torch.arange(seq_len).view(cp, -1)
     chunks = torch.arange(seq_len).view(2 * cp, -1)
     return torch.stack([torch.cat([chunks[c], chunks[2 * cp - 1 - c]]) for c in range(cp)])
-
 
 def block_plan(queries, keys):
     """Of one block of keys: the rows (queries) that see any of them, the cols (keys) that any
     query sees, and the causal mask of those; None when every key comes after every query."""
     visible = keys.view(1, -1) <= queries.view(-1, 1)
     rows, cols = visible.any(1).nonzero().flatten(), visible.any(0).nonzero().flatten()
-    if rows.numel() == 0:
-        return None
-    return types.SimpleNamespace(rows=rows, cols=cols, mask=~visible[rows][:, cols])
-
+    return None if rows.numel() == 0 else types.SimpleNamespace(rows=rows, cols=cols, mask=~visible[rows][:, cols])
 
 def block_attention(q, k, v, plan):
     """The plan's queries against one block of keys: the block's output and its log-sum-exp."""
@@ -425,7 +377,6 @@ def block_attention(q, k, v, plan):
     lse = scores.logsumexp(dim=-1)
     return (scores - lse.unsqueeze(-1)).exp() @ v[:, :, plan.cols], lse
 
-
 def ring_pass(t, comm):
     """Send t to the next rank of the ring and receive the previous rank's in its place."""
     rank, size, came = comm.Get_rank(), comm.Get_size(), torch.empty_like(t)
@@ -433,15 +384,12 @@ def ring_pass(t, comm):
     comm.Sendrecv(mpi_buffer(t), dest=(rank + 1) % size, recvbuf=buffer, source=(rank - 1) % size)
     return from_mpi(came, buffer)
 
-
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries (b x heads x S/C x d) over the whole sequence's keys:
-    the K/V blocks go round the ring, C - 1 hops; each block's output is merged into the running one
-    by the softmax's log-sum-exp (out <- out - sigmoid(lse_b - lse)(out - out_b), lse <- lse -
-    logsigmoid(lse - lse_b)). Backward: the K/V blocks go round again, the weights recomputed from
-    the final lse; dQ adds up at home, each block's dK/dV travels with it and comes home after C hops.
-    The hops are blocking Sendrecvs: context_parallel.py shows how to hide them behind a block's work."""
-
+    """Causal attention of this rank's queries (b x heads x S/C x d) over the whole sequence's keys: the K/V blocks go
+    round the ring, C - 1 hops; each block's output is merged into the running one by the softmax's log-sum-exp (out <-
+    out - sigmoid(lse_b - lse)(out - out_b), lse <- lse - logsigmoid(lse - lse_b)). Backward: the K/V blocks go round
+    again, the weights recomputed from the final lse; dQ adds up at home, each block's dK/dV travels with it and comes
+    home after C hops. Blocking Sendrecvs: context_parallel.py shows how to hide them behind a block's work."""
     @staticmethod
     def forward(ctx, q, k, v, ring):
         kv, out, lse = torch.stack([k, v]), None, None
@@ -460,7 +408,6 @@ class RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out
-
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
@@ -485,84 +432,145 @@ class RingAttention(torch.autograd.Function):
                 kv = ring_pass(kv, ring.comm)
         return dq, travelling[0], travelling[1], None  # after C hops, the own block's dK, dV
 
-
 class Ring:
     """What a block's attention needs on this rank: the context-parallel communicator and the plan
     of its positions against each rank's (shard_positions' rows)."""
-
     def __init__(self, comm, positions, device):
         self.comm = comm
         self.plans = [None if plan is None else types.SimpleNamespace(**{k: t.to(device) for k, t in vars(plan).items()})
                       for plan in (block_plan(positions[comm.Get_rank()], row) for row in positions)]
 
+# -----------------------------------------------------------------------------
+# Expert parallelism within a stage: a mixture of experts, each expert group sharing the experts out
+# -----------------------------------------------------------------------------
+class MoE(nn.Module):
+    """The block's MLP as X expert MLPs (--experts). A router (a softmax, its top K; a tie to the lowest index) sends
+    each token to K of them: y = sum of gate x expert(x), in the order of the choices. The experts are whole on each
+    tensor-parallel rank (Megatron's expert tensor parallelism would split their matrices over T): without sequence
+    parallelism the T ranks route the same tokens, each in its own tp's groups; with it, each routes its own positions
+    and the experts' gradients are summed over T like a LayerNorm's. Switch's load-balancing loss counts every choice
+    of the stage's ranks, per micro-batch, and trains the routers where they are: the loss printed is the cross-entropy."""
+    def __init__(self, args):
+        super().__init__()
+        self.router, self.experts = nn.Linear(args.hidden, args.experts, bias=False), nn.ModuleList(MLP(args.hidden) for _ in range(args.experts))
+        self.top_k, self.capacity_factor, self.aux_coef = args.top_k, args.capacity_factor, args.aux_loss_coef
+        self.group = self.routers = None  # build_stage() sets them (and scale: the aux loss's share of the step's)
+        self.scale, self.dropped, self.gap = 1.0, 0, math.inf  # the report's: pairs dropped, smallest top-k gap
+    def forward(self, x):
+        tokens, k, X = x.reshape(-1, x.size(-1)), self.top_k, self.router.out_features
+        probs = self.router(tokens).softmax(dim=-1)
+        ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+        self.gap = min(self.gap, (ranked[:, k - 1] - ranked[:, k]).min().item())
+        pairs, gates = order[:, :k].reshape(-1), ranked[:, :k]  # token t's choice c is pair t K + c
+        limit = math.inf if self.capacity_factor is None else math.ceil(fractions.Fraction(repr(self.capacity_factor)) * k * len(tokens) / X)
+        kept = F.one_hot(pairs, X).cumsum(0).gather(1, pairs[:, None]).squeeze(1) <= limit  # an expert's first ceil(F K n / X)
+        self.dropped, kept = self.dropped + int((~kept).sum()), kept.nonzero().squeeze(1)
+        kept = kept[pairs[kept].sort(stable=True).indices]  # by expert; in token order within one
+        out = self.run_experts(tokens[kept // k], torch.bincount(pairs[kept], minlength=X))
+        y = out.new_zeros(len(pairs), out.size(1)).index_put((kept,), out).view(len(tokens), k, -1)
+        y = sum(gates[:, c, None] * y[:, c] for c in range(k))  # a dropped pair adds 0: the residual carries it
+        # Switch's load-balancing loss, alpha X sum_i f_i P_i: f_i the share of all routing ranks' pairs
+        # that chose expert i (the counts summed over the stage), P_i the mean probability of i here.
+        counts = allreduce(torch.bincount(pairs, minlength=X), self.routers)
+        aux = self.aux_coef * X * (counts / counts.sum() * probs.mean(dim=0)).sum() * self.scale
+        return LoadBalancing.apply(y.view_as(x), aux)
+    def run_experts(self, rows, sent):
+        """rows sorted by expert, sent[i] of them for expert i. Dispatch: each to the rank of the group
+        that holds its expert; each local expert runs once on its rows from every rank; combine: the
+        outputs back, in the order the rows left. The counts go first: Alltoall, then Alltoallv."""
+        size, local = self.group.Get_size(), len(self.experts)
+        received = sent  # [i x local + e]: rows from rank i for this rank's expert e
+        if size > 1:
+            received = torch.empty_like(sent)
+            buffer = mpi_buffer(received, send=False)
+            self.group.Alltoall(mpi_buffer(sent), buffer)
+            from_mpi(received, buffer)
+            back, forth = sent.view(size, local).sum(1).tolist(), received.view(size, local).sum(1).tolist()
+            rows = AllToAll.apply(rows, back, forth, self.group)  # dispatch
+        pieces = torch.arange(len(rows), device=rows.device).split(received.tolist())
+        by_expert = torch.cat([pieces[i * local + e] for e in range(local) for i in range(size)])
+        sizes = received.view(size, local).sum(0).tolist()
+        out = torch.cat([expert(x) for expert, x in zip(self.experts, rows[by_expert].split(sizes))])[by_expert.argsort()]
+        return AllToAll.apply(out, forth, back, self.group) if size > 1 else out  # combine
+
+class AllToAll(torch.autograd.Function):
+    """MPI_Alltoallv of a matrix's rows: send_rows[j] consecutive rows to rank j, recv_rows[i] from rank i; backward,
+    the same reversed: a row's gradient goes back where the row came from."""
+    @staticmethod
+    def forward(ctx, rows, send_rows, recv_rows, comm):
+        ctx.reverse, out = (recv_rows, send_rows, comm), rows.new_empty(sum(recv_rows), rows.size(1))
+        send, recv = mpi_buffer(rows.detach().contiguous()), mpi_buffer(out, send=False)
+        counts = [[n * rows.size(1) * rows.element_size() for n in numbers] for numbers in (send_rows, recv_rows)]
+        offsets = [[sum(c[:j]) for j in range(len(c))] for c in counts]  # in bytes: any dtype
+        comm.Alltoallv([send, (counts[0], offsets[0]), MPI.BYTE], [recv, (counts[1], offsets[1]), MPI.BYTE])
+        return from_mpi(out, recv)
+    @staticmethod
+    def backward(ctx, grad):
+        return AllToAll.apply(grad, *ctx.reverse), None, None, None
+
+class LoadBalancing(torch.autograd.Function):
+    """Identity on the mixture's output; backward also gives the load-balancing loss its gradient, 1, so
+    that it trains the router on whichever stage it is, never carried to the last (Megatron's way)."""
+    @staticmethod
+    def forward(ctx, y, aux):
+        return y
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, torch.ones((), device=dy.device)
 
 # -----------------------------------------------------------------------------
 # Pipeline parallelism across stages: 1F1B as per-rank lists of actions, proven on paper
 # -----------------------------------------------------------------------------
-# op: forward, backward, send_act/recv_act (an activation), send_grad/recv_grad (its gradient), or
-# reduce (the data-parallel gradient allreduce); mb: the micro-batch acted on, None for reduce,
-# which sums the gradients of all M of them.
+# op: forward, backward, send_act/recv_act (an activation), send_grad/recv_grad (its gradient), or reduce (the
+# data-parallel gradient allreduce); mb: the micro-batch acted on, None for reduce, which sums all M of them.
 Action = collections.namedtuple("Action", "op mb")
-
 
 class ScheduleError(Exception):
     """A schedule that would deadlock, lose a message or use an input before it exists."""
-
 
 def one_f_one_b(pp, m, stage):
     """1F1B (PipeDream-Flush): pp-1-stage warm-up forwards, then one forward one backward, then the
     remaining backwards; last, the data-parallel gradient allreduce ('reduce')."""
     def forward(i):
-        return [Action("recv_act", i)] * (stage > 0) + [Action("forward", i)] + \
-            [Action("send_act", i)] * (stage < pp - 1)
-
+        return [Action("recv_act", i)] * (stage > 0) + [Action("forward", i)] + [Action("send_act", i)] * (stage < pp - 1)
     def backward(i):
-        return [Action("recv_grad", i)] * (stage < pp - 1) + [Action("backward", i)] + \
-            [Action("send_grad", i)] * (stage > 0)
-
+        return [Action("recv_grad", i)] * (stage < pp - 1) + [Action("backward", i)] + [Action("send_grad", i)] * (stage > 0)
     warmup = min(pp - 1 - stage, m)
     actions = [a for i in range(warmup) for a in forward(i)]
     for i in range(m - warmup):
         actions += forward(warmup + i) + backward(i)
     return actions + [a for i in range(m - warmup, m) for a in backward(i)] + [Action("reduce", None)]
 
-
-def dry_run(lists, dp, cp, tp, m):
-    """Execute the lists of every rank of the grid on paper, one slot per forward or backward.
-    A send never blocks (Isend); a receive waits for the send of the rank of equal (dp, cp, tp) one
-    stage away. A forward or backward holds the tensor-parallel allreduces and the ring's hops, so
-    the C x T ranks of equal (pp, dp) run it together, and 'reduce' the D x C ranks of equal (pp, tp):
-    a group waits until every member is at the same action. Raises ScheduleError unless every rank runs each micro-batch's
-    forward and backward once, after its inputs exist, and every message is received. Returns per
-    rank the ideal timeline [(label, start, end)] and the peak count of micro-batches held."""
-    n = len(lists)
-    pp = n // (dp * cp * tp)
+def dry_run(lists, dp, cp, tp, m, experts=False):
+    """Execute the lists of every rank of the grid on paper, one slot per forward or backward. A send never
+    blocks (Isend); a receive waits for the send of the rank of equal (dp, cp, tp) one stage away. A forward or
+    backward holds the tensor-parallel allreduces and the ring's hops, so the C x T ranks of equal (pp, dp) run
+    it together (with experts, the stage's D x C x T: the router's counts), and 'reduce' the D x C ranks of equal
+    (pp, tp): a group waits until every member is at the same action. Raises ScheduleError unless every rank runs
+    each micro-batch's forward and backward once, after its inputs exist, and every message is received. Returns
+    per rank the ideal timeline [(label, start, end)] and the peak count of micro-batches held."""
+    n, pp = len(lists), len(lists) // (dp * cp * tp)
     pc, clock, sent = [0] * n, [0] * n, {}  # sent: (src, dst, kind, mb) -> slot it was sent at
     have = [set() for _ in range(n)]  # (act|grad, mb) received, (forward|backward, mb) computed
     spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
-
     def neighbour(r, step):  # the rank of equal (dp, cp, tp) `step` stages away, if any
         p, d, c, t = coordinates(r, dp, cp, tp)
         return rank_at(p + step, d, c, t, dp, cp, tp) if 0 <= p + step < pp else None
-
-    def group(r, op):  # who runs op together: the data-parallel group, or a stage's C x T ranks
+    def group(r, op):  # who runs op together: the data-parallel group, or a stage's C x T (or D x C x T) ranks
         p, d, c, t = coordinates(r, dp, cp, tp)
         return [rank_at(p, e, b, t, dp, cp, tp) for e in range(dp) for b in range(cp)] if op == "reduce" else \
-            [rank_at(p, d, b, u, dp, cp, tp) for b in range(cp) for u in range(tp)]
-
+            [rank_at(p, e, b, u, dp, cp, tp) for e in (range(dp) if experts else [d]) for b in range(cp) for u in range(tp)]
     def compute(r, op, i):
         needs = {"forward": [("act", i)] * (neighbour(r, -1) is not None),
                  "backward": [("forward", i)] + [("grad", i)] * (neighbour(r, 1) is not None),
                  "reduce": [("backward", j) for j in range(m)]}[op]
-        if (op, i) in have[r] or i not in (range(m) if op != "reduce" else [None]) or \
-                not all(x in have[r] for x in needs):
+        if (op, i) in have[r] or i not in (range(m) if op != "reduce" else [None]) or not all(x in have[r] for x in needs):
             raise ScheduleError(f"rank {r}: {op} {i} twice, out of range, or before {needs}")
         have[r].add((op, i))
         if op != "reduce":
             spans[r].append((f"{op[0].upper()}{i}", clock[r], clock[r] + 1))
             clock[r], held[r] = clock[r] + 1, held[r] + (1 if op == "forward" else -1)
             peak[r] = max(peak[r], held[r])
-
     moved = True
     while moved:
         moved = False
@@ -604,11 +612,9 @@ def dry_run(lists, dp, cp, tp, m):
             raise ScheduleError(f"rank {r} does not run all {m} micro-batches and the reduce")
     return spans, peak
 
-
 def tag(op, mb):
     """A message's tag: its micro-batch and direction, so that no two in flight share one."""
     return 2 * mb + op.endswith("grad")
-
 
 def check_tags(comm, m):
     """MPI promises tags up to 32767 only (MPI_TAG_UB says how far this library goes): refuse an M
@@ -618,77 +624,76 @@ def check_tags(comm, m):
         raise ConfigError(f"--micro-batches {m} needs message tags up to {largest}, but this MPI's "
                           f"MPI_TAG_UB is {bound}; use --micro-batches {(bound + 1) // 2} or fewer")
 
-
 # -----------------------------------------------------------------------------
 # Data parallelism across replicas: the bucketed gradient allreduce on the data-parallel communicator
 # -----------------------------------------------------------------------------
 class GradBuckets:
-    """PyTorch DDP's reducer in miniature. Buckets follow reverse registration order, the order in
-    which backward produces gradients. During the step's last backward (after it, a gradient holds
-    all M micro-batches), a post-accumulate-grad hook counts a bucket's gradients and starts its
-    non-blocking allreduce the moment the last one is in; finish() waits and divides by the N = D x C
-    ranks. zero=True (ZeRO-1): a reduce-scatter instead, so that rank r receives only the sum of slice
-    r of each bucket (padded to a multiple of N), left in self.shards for ShardedSGD to step."""
-
-    def __init__(self, params, comm, bucket_bytes, zero=False):
-        self.comm, self.buckets, self.zero, size = comm, [[]], zero and comm.Get_size() > 1, 0
-        for p in reversed(list(params)):
-            if size >= bucket_bytes:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
+    """PyTorch DDP's reducer in miniature. Buckets follow reverse registration order, the order in which backward
+    produces gradients. During the step's last backward (after it, a gradient holds all M micro-batches), a post-
+    accumulate-grad hook counts a bucket's gradients and starts its non-blocking allreduce the moment the last one
+    is in. groups: (parameters, the ranks that sum them), each in buckets of its own: the dense over the N = D x C
+    ranks of equal (pp, tp), an expert's over the N/E that hold it. finish() divides every sum by N: the step's loss
+    is the mean of N shares, and an expert's N/E copies saw all N between them (each gets its group's tokens), so
+    / (N/E) would step the experts E times too far, and only the check would tell. zero=True (ZeRO-1): a reduce-
+    scatter instead: rank r of n receives the sum of slice r of each bucket (padded to a multiple of n), left in
+    self.shards for ShardedSGD to step."""
+    def __init__(self, groups, shares, bucket_bytes, zero=False):
+        self.shares, self.zero, self.buckets, self.comms = shares, zero and shares > 1, [], []
+        for params, comm in groups:
+            size = bucket_bytes  # a group's first parameter opens a bucket
+            for p in reversed(list(params)):
+                if size >= bucket_bytes:
+                    self.buckets, self.comms, size = self.buckets + [[]], self.comms + [comm], 0
+                self.buckets[-1].append(p)
+                size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
-        n = comm.Get_size()
-        self.padded = [-(-sum(p.numel() for p in b) // n) * n for b in self.buckets]  # a multiple of N
+        self.padded = [-(-sum(p.numel() for p in b) // c.Get_size()) * c.Get_size() for b, c in zip(self.buckets, self.comms)]
         self.shards = [None] * len(self.buckets)  # ZeRO-1: this rank's slice of each bucket's averaged gradient
         self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
-        # The report's marks, not the strategy's: how many gradients the last backward has computed
-        # (a hook of its own, first on each parameter), and that number as each allreduce was posted.
+        # The report's marks: the gradients the last backward has computed (a hook of its own), and that as each was posted.
         self.computed, self.posted_at = 0, []
-        if comm.Get_size() > 1:
-            for p in self.bucket_of:
-                p.register_post_accumulate_grad_hook(self._computed)
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-
+        for p in self.bucket_of if shares > 1 else ():
+            p.register_post_accumulate_grad_hook(self._computed)
+            p.register_post_accumulate_grad_hook(self._grad_ready)
     def start(self):
         """Before the last backward of the step: exchange each bucket when it is complete."""
         self.exchanging, self.ready, self.pending = True, [0] * len(self.buckets), []
         self.computed, self.posted_at = 0, []
-
     def _computed(self, p):
         self.computed += self.exchanging
-
     def _grad_ready(self, p):
         if not self.exchanging:  # an earlier micro-batch: gradients just add up
             return
         i = self.bucket_of[p]
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
-            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
-            if self.zero:  # each rank receives the sum of its own slice: 1/N of the bucket
+            flat, comm = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]), self.comms[i]
+            if comm.Get_size() == 1:  # experts no other rank holds: nothing to sum, finish() divides
+                self.pending.append((i, flat, flat, None))
+                return
+            if self.zero:  # each rank receives the sum of its own slice: 1/n of the bucket
                 flat = F.pad(flat, (0, self.padded[i] - flat.numel()))
-                shard = flat.new_empty(self.padded[i] // self.comm.Get_size())
+                shard = flat.new_empty(self.padded[i] // comm.Get_size())
                 buffer = mpi_buffer(shard, nonblocking=True, send=False)
-                request = self.comm.Ireduce_scatter_block(mpi_buffer(flat, nonblocking=True), buffer, op=MPI.SUM)
+                request = comm.Ireduce_scatter_block(mpi_buffer(flat, nonblocking=True), buffer, op=MPI.SUM)
                 flat = shard
             else:
                 buffer = mpi_buffer(flat, nonblocking=True)
-                request = self.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+                request = comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
             self.pending.append((i, flat, buffer, request))
             self.posted_at.append(self.computed)
         for *_, request in self.pending:
-            request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
-
+            request and request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
     def finish(self):
-        """Wait for every bucket; leave the gradients averaged over the D replicas in .grad."""
+        """Wait for every bucket; leave the sums divided by the N shares in .grad (ZeRO-1: in shards)."""
         self.exchanging = False
-        if self.comm.Get_size() == 1:
+        if self.shares == 1:
             return
         assert len(self.pending) == len(self.buckets), "a gradient never arrived"
         for i, flat, buffer, request in self.pending:
-            request.Wait()
-            flat = from_mpi(flat, buffer) / self.comm.Get_size()
+            if request is not None:
+                request.Wait()
+            flat = from_mpi(flat, buffer) / self.shares
             if self.zero:
                 self.shards[i] = flat
                 continue
@@ -697,47 +702,39 @@ class GradBuckets:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
 
-
 class ShardedSGD:
-    """ZeRO stage 1 (Megatron's distributed optimizer) over the N = D x C ranks of comm: rank r keeps
-    the momentum of slice r of each bucket only, 1/N of it. Its step: SGD on the slice (the parameters'
-    slice, the gradient's from the reduce-scatter), then an Allgather of every rank's updated slice
-    into the bucket's parameters, so that every rank holds them all again for the next forward."""
-
+    """ZeRO stage 1 (Megatron's distributed optimizer) over the n ranks that sum a bucket: rank r keeps the momentum of
+    slice r of each bucket only, 1/n of it. Its step: SGD on the slice (the parameters' slice, the gradient's from the
+    reduce-scatter), then an Allgather of every rank's slice into the bucket's parameters, whole again on every rank."""
     def __init__(self, buckets, lr):
-        self.buckets, comm = buckets, buckets.comm
-        self.slices = [nn.Parameter(torch.zeros(n // comm.Get_size(), device=b[0].device))
-                       for n, b in zip(buckets.padded, buckets.buckets)]
+        self.buckets = buckets
+        self.slices = [nn.Parameter(torch.zeros(n // c.Get_size(), device=b[0].device))
+                       for n, b, c in zip(buckets.padded, buckets.buckets, buckets.comms)]
         self.inner = torch.optim.SGD(self.slices, lr=lr, momentum=0.9)  # torch's own step, on slices
-
     def zero_grad(self, set_to_none=False):
         for p in self.buckets.bucket_of:
             if p.grad is not None:
                 p.grad.zero_()
-
     def step(self):
-        comm, r = self.buckets.comm, self.buckets.comm.Get_rank()
-        for piece, bucket, grad, n in zip(self.slices, self.buckets.buckets, self.buckets.shards, self.buckets.padded):
+        every = list(zip(self.slices, self.buckets.buckets, self.buckets.padded, self.buckets.comms))
+        for (piece, bucket, n, comm), grad in zip(every, self.buckets.shards):
             flat = F.pad(torch.cat([p.detach().reshape(-1) for p in bucket]), (0, n - sum(p.numel() for p in bucket)))
-            piece.data.copy_(flat.view(comm.Get_size(), -1)[r])  # the parameters' slice: float32, as the master
+            piece.data.copy_(flat.view(comm.Get_size(), -1)[comm.Get_rank()])  # the parameters' slice: float32, as the master
             piece.grad = grad
         self.inner.step()
-        for piece, bucket, n in zip(self.slices, self.buckets.buckets, self.buckets.padded):
+        for piece, bucket, n, comm in every:
             whole = piece.new_empty(n)
             buffer = mpi_buffer(whole, send=False)
-            comm.Allgather(mpi_buffer(piece.detach()), buffer)
+            comm.Allgather(mpi_buffer(piece.detach()), buffer) if comm.Get_size() > 1 else buffer.copy_(piece.detach())
             whole, offset = from_mpi(whole, buffer), 0
             with torch.no_grad():
                 for p in bucket:
                     p.copy_(whole[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
-
     def state_dict(self):
         return self.inner.state_dict()
-
     def load_state_dict(self, state):
         self.inner.load_state_dict(state)
-
 
 # -----------------------------------------------------------------------------
 # The hybrid training step: this rank's list of actions, executed
@@ -752,13 +749,11 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
     inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
     last_backward = max(k for k, a in enumerate(actions) if a.op == "backward")
     optimizer.zero_grad(set_to_none=False)
-
     def post(a):  # a receive from the previous stage (activations) or the next (gradients)
         t = torch.empty(shape, device=x.device)
         buffer = mpi_buffer(t, send=False)
         source = s - 1 if a.op == "recv_act" else s + 1
         recvs[a] = (pp_comm.Irecv(buffer, source=source, tag=tag(a.op, a.mb)), t, buffer)
-
     for k, a in enumerate(actions):
         if a.op in ("forward", "backward"):  # post the next receive, to land while we compute
             upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_")), None)
@@ -797,7 +792,6 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
         optimizer.step()
     return total
 
-
 # -----------------------------------------------------------------------------
 # Model: a GPT-2 style character-level language model, plain (what one process trains)
 # -----------------------------------------------------------------------------
@@ -813,44 +807,43 @@ def attend(qkv, heads, ring=None):
     weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     return (weights @ v).transpose(1, 2).reshape(b, t, c)
 
+class MLP(nn.Module):
+    """h -> 4h -> h with GELU: a block's MLP, and each expert of a mixture."""
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
 
 class Block(nn.Module):
-    """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
-    weights, so float32 rounding differences between grids stay at rounding level."""
-
-    def __init__(self, hidden, heads):
+    """Pre-LayerNorm decoder block, its MLP a mixture of experts with --experts. GELU and LayerNorm keep
+    training a smooth function of the weights: float32 rounding differences between grids stay small."""
+    def __init__(self, args):
         super().__init__()
-        self.heads, self.ring = heads, None  # a rank's Ring under context parallelism
-        self.ln1, self.qkv = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden)  # q, k, v side by side
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
+        h, self.heads, self.ring = args.hidden, args.heads, None  # ring: a rank's Ring under context parallelism
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)  # q, k, v side by side
+        self.ln2, self.mlp = nn.LayerNorm(h), MoE(args) if args.experts else MLP(h)
     def forward(self, x):
         x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads, self.ring))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
+        return x + self.mlp(self.ln2(x))
 
 class GPT(nn.Module):
     """Token and position embeddings, --layers blocks, final LayerNorm, untied head."""
-
-    def __init__(self, layers, hidden, heads, seq_len):
+    def __init__(self, args):
         super().__init__()
-        self.tokens, self.positions = nn.Embedding(VOCAB, hidden), nn.Embedding(seq_len, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.norm, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
-
+        self.tokens, self.positions = nn.Embedding(VOCAB, args.hidden), nn.Embedding(args.seq_len, args.hidden)
+        self.blocks = nn.ModuleList(Block(args) for _ in range(args.layers))
+        self.norm, self.out = nn.LayerNorm(args.hidden), nn.Linear(args.hidden, VOCAB, bias=False)
     def forward(self, idx):
         x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.out(self.norm(x))
 
-
 def build_model(args):
     """The full model from the seed, on the CPU: the same network on every grid (GPT-2's init)."""
     torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.hidden, args.heads, args.seq_len)
+    model = GPT(args)
     for mod in model.modules():
         if isinstance(mod, (nn.Linear, nn.Embedding)):
             nn.init.normal_(mod.weight, std=0.02)
@@ -858,19 +851,32 @@ def build_model(args):
             nn.init.zeros_(mod.bias)
     return model
 
-
 def build_stage(args, axes, device, model=None):
     """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone,
-    with a ring over the context-parallel ranks when there are several."""
-    s, pp, cp = axes["pipeline"].Get_rank(), axes["pipeline"].Get_size(), axes["context"]
+    with a ring over the context-parallel ranks when there are several, and its experts."""
+    s, pp, cp, model = axes["pipeline"].Get_rank(), axes["pipeline"].Get_size(), axes["context"], model or build_model(args)
     lo, hi = layer_split(args.layers, pp)[s]
+    for moe in [block.mlp for block in model.blocks[lo:hi]] if args.experts else ():  # rank e of a group: experts eX/E on
+        e, per = axes["expert"].Get_rank(), args.experts // axes["expert"].Get_size()
+        moe.experts = nn.ModuleList(moe.experts[e * per:(e + 1) * per])  # marked: their gradients, buckets of their own
+        for p in moe.experts.parameters():
+            p.expert = True
+        moe.group, moe.routers, moe.scale = axes["expert"], axes["stage"], 1 / (args.micro_batches * args.tp ** args.sequence_parallel)
     positions = shard_positions(args.seq_len, cp.Get_size(), args.layout)
     ring = Ring(cp, positions, device) if cp.Get_size() > 1 else None
     where = positions[cp.Get_rank()]  # with --sequence-parallel, tensor-parallel rank t's piece of them
     where = where.view(args.tp, -1)[axes["tensor"].Get_rank()] if args.sequence_parallel else where
-    return Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, axes["tensor"], ring,
+    return Stage(model, lo, hi, s == 0, s == pp - 1, axes["tensor"], ring,
                  where.to(device), args.sequence_parallel).to(device)
 
+def build_optimizer(args, stage, axes):
+    """The gradient buckets (the dense parameters' over "data", the experts' over "expert-data") and
+    the optimizer: ZeRO-1's with --zero-stage 1, else torch's SGD."""
+    dense, experts = ([p for p in stage.parameters() if hasattr(p, "expert") == kind] for kind in (False, True))
+    buckets = GradBuckets([(dense, axes["data"]), (experts, axes["expert-data"])], axes["data"].Get_size(), args.bucket_mb * 2**20,
+                          args.zero_stage == 1)
+    return buckets, ShardedSGD(buckets, args.lr) if buckets.zero else \
+        torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
 
 # -----------------------------------------------------------------------------
 # Data: characters of Python's own source, batches a function of (seed, step)
@@ -881,7 +887,6 @@ def load_text():
     raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
     return torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long)
 
-
 def make_batch(seed, step, size, seq_len):
     """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
     data = load_text()
@@ -891,12 +896,10 @@ def make_batch(seed, step, size, seq_len):
     y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
     return x, y
 
-
 def share_of(x, y, replica, replicas):
     """Replica `replica`'s B/D consecutive sequences of the global batch."""
     n = x.size(0) // replicas
     return x[replica * n:(replica + 1) * n], y[replica * n:(replica + 1) * n]
-
 
 # -----------------------------------------------------------------------------
 # The run
@@ -924,7 +927,6 @@ def train(args, comm, counted, device, stage, optimizer, buckets, actions, timel
             "losses": list(past) + global_losses(comm, losses, reports, shares)}, shard_config(args))
     return list(past) + global_losses(comm, losses, reports, shares), records
 
-
 def global_losses(comm, losses, reports, shares):
     """The global batch's losses: the mean of the `shares` (replica, context rank) losses, which only
     their last stage knows (`reports`: one rank of it). Reporting only: the plain communicator."""
@@ -932,13 +934,11 @@ def global_losses(comm, losses, reports, shares):
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
     return (total / shares).tolist()
 
-
 def shard_config(args):
     """What a checkpoint's shards belong to: the grid that cut them, and the model."""
-    return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "layout": args.layout,
+    return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "ep": args.ep, "experts": args.experts, "layout": args.layout,
                      "zero_stage": args.zero_stage, "sequence_parallel": args.sequence_parallel}, "model": "GPT", "layers": args.layers,
             "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
-
 
 def main(argv=None, comm=MPI.COMM_WORLD):
     """Parse, set up, prove the schedule, train, check, report. Returns the exit status of this rank."""
@@ -947,23 +947,22 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         check_paths(comm, args)
         check_tags(comm, args.micro_batches)
         run = setup(comm, args)
-        # Every rank writes the lists of all ranks and proves them on paper, so that all reach one
-        # verdict; then each runs its own list, the one proven.
+        # Every rank writes and proves on paper the lists of all ranks (one verdict), then runs its own, the one proven.
         lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.cp, args.tp)[0])
                  for r in range(comm.Get_size())]
-        ideal, _ = dry_run(lists, args.dp, args.cp, args.tp, args.micro_batches)
-        axes = make_grid(comm, args.pp, args.dp, args.cp, args.tp)
+        ideal, _ = dry_run(lists, args.dp, args.cp, args.tp, args.micro_batches, args.experts > 0)
+        axes = make_grid(comm, args.pp, args.dp, args.cp, args.tp, args.ep)
         counted = {axis: CountedComm(c, run.timeline) for axis, c in axes.items()}
         stage = build_stage(args, counted, run.device)
-        buckets = GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20, args.zero_stage == 1)
-        optimizer = ShardedSGD(buckets, args.lr) if buckets.zero else \
-            torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+        buckets, optimizer = build_optimizer(args, stage, counted)
         past, resumed = [], None
         if args.resume:
             resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
                                              lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
-            if shard is not None:
-                past = restore(stage, optimizer, shard)
+            if shard is not None:  # this rank's shard: the same grid wrote it
+                stage.load_state_dict(shard["model"])
+                optimizer.load_state_dict(shard["optimizer"])
+                past = shard["losses"]
         print_header(comm, args, run, stage, buckets, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
         losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets,
@@ -976,7 +975,6 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
     return report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff)
-
 
 # =============================================================================
 # You may stop reading here: the strategy is all above. Below, first this file's own machinery
@@ -991,115 +989,132 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # nn.Embedding and whole logits, one process, one backward: no f, g, parallel layer, schedule,
 # message or bucket. build_stage cuts the trained reference as each rank's stage was cut, so that
 # like is compared with like; the losses, from the uncut model and compared first, show a cut
-# that loses or repeats a part of the model.
+# that loses or repeats a part of the model. The mixture of experts it writes apart (reference_moe):
+# its own top K, the capacity counted pair by pair, every expert on every token weighted by gates,
+# the load-balancing loss from its definition. What it must know of the grid it writes plainly:
+# which tokens each rank routed, in its order (its replica's micro-batch, its context rank's
+# positions, with sequence parallelism its tensor rank's piece): capacity and the loss's counts
+# are per rank and per micro-batch. What it cannot see: a fault that the ranks' router and the
+# reference share through torch (softmax, a stable sort), and nothing about which rank ran which
+# expert (the result is the same). Near-ties: the reference routes on its own, so a token whose
+# K-th and (K+1)-th probabilities differ by less than float32 rounding (about 1e-7) could choose
+# otherwise there and fail the check with no bug; the run prints the smallest such gap, and in
+# the tests' runs it stays above 1e-7 (measured, in their assertions).
 def reference_training(args, device):
-    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear
-    and F.cross_entropy, no MPI."""
-    model = build_model(args).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    losses = []
+    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear and F.cross_entropy, no MPI."""
+    optimizer, losses = torch.optim.SGD((model := build_model(args).to(device)).parameters(), lr=args.lr, momentum=0.9), []
+    for block in model.blocks if args.experts else ():
+        block.mlp.forward = functools.partial(reference_moe, block.mlp, args)
     for step in range(args.steps):
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad()
-        loss.backward()
+        (loss + sum(block.mlp.aux for block in model.blocks if args.experts)).backward()
         optimizer.step()
         losses.append(loss.item())
     return losses, model
 
+def reference_moe(moe, args, x):
+    """The mixture of experts in one process, written apart from MoE: its own top K, capacity counted pair by pair in each
+    rank's token order, every expert on every token weighted by a matrix of gates, Switch's loss from its definition."""
+    (B, S, _), X, K, M, D, F_ = x.shape, len(moe.experts), moe.top_k, args.micro_batches, args.dp, moe.capacity_factor
+    probs, b, T = torch.softmax(x @ moe.router.weight.T, dim=-1), B // (D * M), args.tp if args.sequence_parallel else 1
+    choice = probs.detach().argsort(dim=-1, descending=True, stable=True)[..., :K]  # B x S x K; a tie: the lowest index first
+    keep, moe.aux = torch.ones(B, S, K, dtype=torch.bool).tolist(), 0
+    # The tokens each rank routed, in its order: sequences (d M + m) b to (d M + m + 1) b - 1 (micro-batch m of
+    # replica d; b a micro-batch's), at the positions of context rank c (--sequence-parallel: tensor rank t's piece).
+    for d, m, c, t in [(d, m, c, t) for d in range(D) for m in range(M) for c in range(args.cp) for t in range(T)] if F_ else ():
+        where, taken = shard_positions(S, args.cp, args.layout)[c].view(T, -1)[t].tolist(), collections.Counter()
+        for i, p, j in [(i, p, j) for i in range((d * M + m) * b, (d * M + m + 1) * b) for p in where for j in range(K)]:
+            taken[int(choice[i, p, j])] += 1
+            keep[i][p][j] = taken[int(choice[i, p, j])] <= math.ceil(fractions.Fraction(repr(F_)) * K * b * len(where) / X)
+    for m in range(M):  # Switch's alpha X sum_e f_e P_e over micro-batch m of every replica; the step's: their mean
+        rows = [(d * M + m) * b + i for d in range(D) for i in range(b)]
+        moe.aux = moe.aux + moe.aux_coef * X * sum((choice[rows] == e).sum() / choice[rows].numel() * probs[rows][..., e].mean()
+                                                   for e in range(X)) / M
+    gates = (F.one_hot(choice, X) * (probs.gather(-1, choice) * torch.tensor(keep, device=x.device)).unsqueeze(-1)).sum(-2)
+    return sum(gates[..., e:e + 1] * expert(x) for e, expert in enumerate(moe.experts))
+
 def check(comm, args, device, losses, stage, counted):
-    """Rank 0 trains the reference (the whole model fits where it runs) and broadcasts it; each
-    rank cuts it as its own stage was cut and compares; every rank gets the largest difference."""
-    reference, ref_losses = build_model(args), None
-    flat = nn.utils.parameters_to_vector(reference.parameters()).detach()
-    if comm.Get_rank() == 0:
-        ref_losses, trained = reference_training(args, device)
-        flat = nn.utils.parameters_to_vector(trained.parameters()).detach().cpu()
+    """Rank 0 trains the reference (the whole model fits where it runs) and broadcasts it; each rank cuts it as its
+    stage was cut and compares; every rank gets the largest difference."""
+    reference, (ref_losses, trained) = build_model(args), reference_training(args, device) if comm.Get_rank() == 0 else (None, None)
+    flat = nn.utils.parameters_to_vector((reference if trained is None else trained).parameters()).detach().cpu()
     request = comm.Ibcast(flat, root=0)
     while not request.Test():
         time.sleep(POLL_S)  # the waiting ranks leave the cores to rank 0
     nn.utils.vector_to_parameters(flat, reference.parameters())
-    ref_stage = build_stage(args, counted, device, reference)
-    diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), ref_stage)
+    diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), build_stage(args, counted, device, reference))
     return comm.allreduce(diff, op=MPI.MAX)
 
 def print_header(comm, args, run, stage, buckets, resumed):
-    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
-    per_rank = comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
-    where = " ".join(f"{r}:{coordinates(r, D, C, T)}" for r in range(comm.Get_size()))
+    (P, D, C, T, M, X, E), per_rank = (args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.experts, args.ep), \
+        comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
     stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
                         * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
-    if resumed:
-        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
-                     f"(written by {resumed['world_size']} ranks)")
-    print0(comm, *run.header,
-           f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
-           f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
-           f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) {where}",
-           f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
-           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows"
-           + f", {args.seq_len // (C * T)} positions between its layers (sequence parallelism)" * args.sequence_parallel,
-           f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
-           f"sequences of {args.seq_len} characters, each cut over {C} context-parallel ranks ({args.layout}: "
-           f"{args.seq_len // C} positions a rank) | schedule 1f1b, dry run of every rank's actions on the "
-           f"grid: each send meets its receive, each group meets in its collectives, no deadlock",
-           f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: "
-           f"{' '.join(str(b) for _, b in per_rank)} of <= {args.bucket_mb:g} MB" + (f" | ZeRO-1: each rank steps 1/{D * C} "
-           f"of every bucket (its momentum alone), all-gathers the rest" if buckets.zero else ""))
+    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)"] if resumed else []),
+           *run.header, f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
+           f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters" + (f", each block's MLP {X} experts, top-{args.top_k}, "
+           + ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor:g}")) * (X > 0),
+           f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) " + " ".join(f"{r}:{coordinates(r, D, C, T)}" for r in
+           range(comm.Get_size())) + f" | expert groups of {E} of the {D * C} ranks of equal (pp, tp), {X // E} experts a block each" * (X > 0),
+           f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, {padded_vocab(T) // T} of {padded_vocab(T)} "
+           f"vocabulary rows" + f", {args.seq_len // (C * T)} positions between its layers (sequence parallelism)" * args.sequence_parallel,
+           f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} sequences of {args.seq_len} "
+           f"characters, each cut over {C} context-parallel ranks ({args.layout}: {args.seq_len // C} positions a rank) | schedule 1f1b, "
+           f"dry run of every rank's actions on the grid: each send meets its receive, each group meets in its collectives, no deadlock",
+           f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: {' '.join(str(b) for _, b in per_rank)}"
+           f" of <= {args.bucket_mb:g} MB" + " | ZeRO-1: each of a bucket's n ranks steps 1/n of it (its momentum alone), all-gathers the rest"
+           * buckets.zero)
 
 FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis, its variant) -> (count, bytes)
     ("pipeline", False): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x 4BSh"),
     ("pipeline", True): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x 4BSh (sequence-parallel)"),
-    ("data", False): ("allreduces: one per bucket per (pp, tp) group", "D x C x 4W"),
-    ("data", True): ("reduce-scatters and all-gathers: one each per bucket per (pp, tp) group", "4W' x (D x C + 1)"),
+    ("data", False): ("allreduces: one per bucket per group", "D x C x 4(W + W_x)"),
+    ("data", True): ("reduce-scatters and all-gathers: one each per bucket per group", "4W'(D x C + 1) + 4W_x'(D x C + E)"),
     ("context", False): ("messages L x M x D x C x T x (3C - 2)", "L x (3C - 2) x 8BSh"),
-    ("tensor", False): ("allreduces D x C x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
-    ("tensor", True): ("collectives D x C x M x (14L + 10)", "(4L + 2)(T + 1) x 4BSh + 12BST + 4MDCT(Sh + 6Lh + 2h)")}
+    ("tensor", False): ("allreduces D x C x M x (GL + 5)", "T x [(GL + 2) x 4BSh + 3 x 4BS]"),
+    ("tensor", True): ("collectives D x C x M x ((2G + 6 + 4X/E)L + 10)", "(GL + 2)(T + 1) x 4BSh + 12BST + 4MDCT x R"),
+    ("expert", False): ("collectives 5LMDCT/E + LM", "16h(LKBST' - d) + 2 x 8XLMDCT")}
 
 def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
-    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
-    measured = per_axis(comm, counted, max(1, len(records)))
-    formula = formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
-                       comm.allgather(len(buckets.buckets)), comm.allgather(sum(buckets.padded)))
+    P, D, C, T, M, steps_run = args.pp, args.dp, args.cp, args.tp, args.micro_batches, max(1, len(records))
+    moes = [b.mlp for b in stage.blocks if args.experts]  # dropped: (token, choice) pairs a step, all ranks'
+    measured, dropped = per_axis(comm, counted, steps_run), fractions.Fraction(comm.allreduce(sum(m.dropped for m in moes)), steps_run)
+    formula, gap = formulas(args, comm, stage, buckets, dropped), comm.allreduce(min([m.gap for m in moes], default=math.inf), op=MPI.MIN)
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
-    theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
-    pipeline = [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
-    slots = max(e for row in pipeline for _, _, e in row)
-    variant = {"pipeline": args.sequence_parallel, "data": buckets.zero, "context": False, "tensor": args.sequence_parallel}
-    text = {axis: FORMULA_TEXT[axis, v] for axis, v in variant.items()}
-    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
-             f"{math.log(VOCAB):.4f})",
+    theory, bubble, pipeline = (P - 1) / (M + P - 1), statistics.mean(waits), [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
+    slots, SP = max(e for row in pipeline for _, _, e in row), args.sequence_parallel
+    text = {a: FORMULA_TEXT[a, v] for a, v in (("pipeline", SP), ("data", buckets.zero), ("context", False), ("tensor", SP), ("expert", False))}
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
              "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
-             *draw_timeline(pipeline, slots, len(f"B{M - 1}") + 1),
+             *(f"stage {s} | " + "".join({start: name for name, start, _ in spans}.get(i, ".").ljust(len(f"B{M - 1}") + 1)
+                                         for i in range(slots)).rstrip() for s, spans in enumerate(pipeline)),  # a cell a slot, '.' idle
              f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
              f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
              "communication per step, summed over the grid, measured | formula:",
              *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
-               f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
-               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0)))]
+               f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,.0f}"
+               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0), ("expert", 0))),
+             *[f"experts: (token, choice) pairs dropped a step, all ranks: {float(dropped):g} | smallest gap between a token's K-th and "
+               f"(K+1)-th router probability: {gap:.1e} (float32 rounding, about 1e-7, may flip a smaller one: see the check)"] * bool(moes)]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
-        "comm_bytes_per_step": sum(m[2] for m in measured.values()),
-        "collectives_per_step": sum(m[0] for m in measured.values()),
-        "grid": {"pp": P, "dp": D, "cp": C, "tp": T}, "layout": args.layout, "zero_stage": args.zero_stage,
-        "sequence_parallel": args.sequence_parallel, "micro_batches": M, "layer_split": layer_split(args.layers, P),
-        "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
-        "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
-        "messages_per_step": measured["pipeline"][1],
+        "comm_bytes_per_step": sum(m[2] for m in measured.values()), "collectives_per_step": sum(m[0] for m in measured.values()),
+        "grid": {"pp": P, "dp": D, "cp": C, "tp": T, "ep": args.ep}, "layout": args.layout, "zero_stage": args.zero_stage,
+        "experts": args.experts, "top_k": args.top_k, "capacity_factor": args.capacity_factor, "pairs_dropped_per_step":
+        float(dropped), "min_topk_gap": gap if moes else None, "sequence_parallel": SP, "micro_batches": M,
+        "layer_split": layer_split(args.layers, P), "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
+        "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()}, "messages_per_step": measured["pipeline"][1],
         "formula_by_axis": {a: dict(zip(("collectives", "messages", "bytes"), v)) for a, v in formula.items()},
         "bubble_fraction": bubble, "bubble_fraction_theory": theory, "bubble_fraction_dry_run": 1 - 2 * M / slots,
         "overlap": overlap_counts(comm, run.timeline.step_events, M, buckets)})
 
 def overlap_counts(comm, events, m, buckets):
-    """The overlaps the lesson claims, in the step of `events` (a rank's timeline), summed over the
-    grid as [n, total]. buckets_posted_before_later_gradients: the data axis's bucket allreduces
-    posted before the last backward computed some later gradient, from GradBuckets' marks as the
-    step ran (a stage's last bucket closes with its last gradient and never counts). A pipeline send is in
-    flight from its Isend until the rank next blocks in a Wait on a send (Test, which never
-    blocks, does not end it); sends_in_flight_during_compute: the sends in whose flight a forward
-    or a backward began, that is, the rank computed instead of waiting. The schedule decides this
-    count, not the library's speed: 1F1B computes after every send but those that follow a
-    stage's last backward, (2M - 1)(P - 1) of the 2M(P - 1) sends of a pipeline."""
+    """The overlaps the lesson claims in the step of `events` (a rank's timeline), over the grid as [n, total]: the bucket
+    exchanges posted before the last backward computed a later gradient (GradBuckets' marks; a stage's last never counts);
+    the pipeline sends (in flight from Isend to the rank's next Wait on a send) in whose flight a forward or backward began:
+    1F1B's schedule, not the library's speed, makes it all but those after a stage's last backward, (2M - 1)(P - 1) of 2M(P - 1)."""
     compute = [b for name, _, b, _ in events if name in {f"{op}{i}" for op in "FB" for i in range(m)}]
     waits = sorted(b for name, _, b, _ in events if name == "Isend wait") + [math.inf]
     flights = [(b, next(w for w in waits if w >= b)) for name, _, b, _ in events if name == "Isend"]
@@ -1109,64 +1124,59 @@ def overlap_counts(comm, events, m, buckets):
             "sends_in_flight_during_compute": [comm.allreduce(v) for v in sends]}
 
 def per_axis(comm, counted, steps_run):
-    """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
-    counted once per group: its calls summed over the ranks, divided by the group's size."""
-    out = {}
-    for axis, c in counted.items():
-        collectives = ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather")
-        calls = comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
-        volume = comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
-        messages = comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
-        out[axis] = (calls / steps_run, messages / steps_run, volume / steps_run)
-    return out
+    """Per step, summed over every rank, by axis: (collectives, messages, bytes), a collective once per group (its calls
+    over the ranks / its size); "stage" (the router's counts) is the expert axis's, "expert-data" the data axis's."""
+    out, collectives = collections.defaultdict(lambda: [0, 0, 0]), ("Allreduce", "Iallreduce", "Reduce_scatter_block",
+                                                                   "Ireduce_scatter_block", "Allgather", "Alltoall", "Alltoallv")
+    for name, c in counted.items():
+        total = out[{"stage": "expert", "expert-data": "data"}.get(name, name)]
+        total[0] += comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
+        total[1] += comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
+        total[2] += comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
+    return {axis: tuple(v / steps_run for v in total) for axis, total in out.items()}
 
-def formulas(args, stage_params, stage_buckets, stage_padded):
-    """The docstring's formulas by axis, (collectives, messages, bytes) per step over the grid, from every
-    rank's count of parameters, of gradient buckets, and of their elements padded for ZeRO-1 (stage_*)."""
-    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
-    L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
-    activation, replicated, zero = 4 * B * S * h, S * h + 6 * L * h + 2 * h, args.zero_stage == 1 and D * C > 1
-    W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
-    assert sum(stage_params) == D * C * W  # what the ranks hold, added up
-    tensor = (D * C * M * (14 * L + 10), 0, (4 * L + 2) * (T + 1) * activation + 12 * B * S * T  # + the hooks' sums
-              + M * D * C * T * 4 * replicated) if args.sequence_parallel else \
-        (D * C * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))
-    return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * activation),
-            "data": ((sum(stage_buckets) // (D * C) * (D * C > 1), 0, D * C * 4 * W * (D * C > 1)) if not zero else
-                     (2 * sum(stage_buckets) // (D * C), 0, 4 * sum(stage_padded) + 4 * sum(stage_padded) // (D * C))),
-            "context": (0, L * M * D * C * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
-            "tensor": tensor}
-
-def draw_timeline(rows, slots, width):
-    """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
-    lines = []
-    for s, spans in enumerate(rows):
-        cells = ["."] * slots
-        for name, start, _ in spans:
-            cells[start] = name
-        lines.append(f"stage {s} | " + "".join(c.ljust(width) for c in cells).rstrip())
-    return lines
+def formulas(args, comm, stage, buckets, dropped):
+    """The docstring's formulas by axis, (collectives, messages, bytes) per step over the grid, from what every rank holds
+    (parameters; dense and expert gradient buckets, their elements padded for ZeRO-1) and the pairs `dropped` a step."""
+    P, D, C, T, M, E, X, K = args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.ep, args.experts, args.top_k
+    L, B, S, h, N, G, SP = args.layers, args.batch_size, args.seq_len, args.hidden, D * C, 2 if X else 4, args.sequence_parallel
+    activation, zero, expert, n, kinds = 4 * B * S * h, args.zero_stage == 1 and N > 1, 8 * h * h + 5 * h, N // E, [hasattr(b[0], "expert") for b in buckets.buckets]
+    params, dense_b, expert_b, dense_pad, expert_pad = (sum(v) for v in zip(*comm.allgather((sum(p.numel() for p in stage.parameters()),
+        kinds.count(False), kinds.count(True), *(sum(e for e, k in zip(buckets.padded, kinds) if k == kind) for kind in (False, True))))))
+    replicated = S * h + 2 * h + L * (5 * h + X * h if X else 6 * h)  # held whole on every tensor-parallel rank
+    W = 2 * padded_vocab(T) * h + S * h + L * (4 * h * h + 8 * h + (X * h if X else 8 * h * h + 5 * h)) + 2 * h + (T - 1) * replicated
+    W_x, R, counts, routed = T * L * X // E * expert, replicated + L * X // E * expert, 8 * X * L * M * N * T, K * B * S * (1 if SP else T)
+    assert params == N * (W + W_x)  # what the ranks hold, added up
+    return {"pipeline": (0, 2 * M * (P - 1) * N * T, 2 * (P - 1) * (1 if SP else T) * activation),
+            "data": ((dense_b // N * (N > 1) + expert_b // n * (n > 1), 0, N * 4 * (W * (N > 1) + W_x * (n > 1))) if not zero else
+                     (2 * dense_b // N + 2 * expert_b // n * (n > 1), 0, 4 * dense_pad * (N + 1) // N + 4 * expert_pad * (n + 1) // n * (n > 1))),
+            "context": (0, L * M * N * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
+            "tensor": (N * M * ((2 * G + 6 + 4 * X // E) * L + 10), 0, (G * L + 2) * (T + 1) * activation + 12 * B * S * T + 4 * M * N * T * R)
+            if SP else (N * M * (G * L + 5) * (T > 1), 0, T * ((G * L + 2) * activation + 12 * B * S) * (T > 1)),
+            "expert": (5 * L * M * N * T // E * (E > 1) + L * M * (N * T > 1), 0,  # routed: pairs a block, T copies without SP
+                       float((16 * h * (L * routed - dropped) + counts) * (E > 1) + counts * (N * T > 1))) if X else (0, 0, 0)}
 
 def parse_args(argv, world_size):
-    p = common_arguments("Hybrid (pipeline x data x context x tensor) parallelism over MPI: a small GPT on "
+    p = common_arguments("Hybrid (pipeline x data x context x tensor x expert) parallelism over MPI: a small GPT on "
                          "Python's own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
-    p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
-    p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
-    p.add_argument("--pp", type=COUNT, default=1, help="pipeline stages")
-    p.add_argument("--dp", type=COUNT, help="data-parallel replicas (default: world size / (pp x cp x tp))")
-    p.add_argument("--cp", type=COUNT, default=1, help="context-parallel ranks: each holds S/C positions")
-    p.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel "
-                   "ranks outside their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"),
-                   help="context parallelism's positions: chunks c and 2C-1-c of 2C (zigzag), or the c-th of C")
-    p.add_argument("--micro-batches", type=COUNT, help="micro-batches per replica's share (default: the most, "
-                   "up to 4, that it splits into)")
+    for flag, default, text in (("--layers", 4, "transformer blocks"), ("--hidden", 64, "hidden size"), ("--heads", 4, "attention heads"),
+                                ("--seq-len", 64, "characters per sequence"), ("--pp", 1, "pipeline stages"), ("--cp", 1, "context-parallel "
+                                "ranks: each holds S/C positions"), ("--tp", 1, "tensor-parallel ranks per stage"), ("--dp", None, "data-parallel "
+                                "replicas (default: world size / (pp x cp x tp))"), ("--micro-batches", None, "micro-batches per replica's "
+                                "share (default: the most, up to 4, that it splits into)"), ("--ep", None, "ranks of an expert group, folded "
+                                "over a stage's D x C (default: the most that divide D x C and the experts)")):
+        p.add_argument(flag, type=COUNT, default=default, help=text)
+    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel ranks outside "
+                   "their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"), help="context parallelism's positions: chunks c and "
+                   "2C-1-c of 2C (zigzag), or the c-th of C")
     p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded "
-                   "over the D x C ranks of equal (pp, tp) (ZeRO-1: reduce-scatter, step a slice, all-gather)")
+    p.add_argument("--experts", type=COUNT_OR_0, default=0, help="expert MLPs in every block (0: the dense MLP)")
+    p.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
+    p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(F K n / X) pairs per expert from each rank's n tokens (default: dropless)")
+    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01, help="alpha of the load-balancing loss")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded over the ranks that sum "
+                   "each gradient (ZeRO-1: reduce-scatter, step a slice, all-gather)")
     args = check_common(p.parse_args(argv))
     if args.precision != "fp32" or args.recompute != "none":
         raise ConfigError(f"--precision {args.precision} --recompute {args.recompute}: hybrid_parallel.py offers "
@@ -1174,21 +1184,18 @@ def parse_args(argv, world_size):
     if args.sequence_parallel and args.tp == 1:
         raise ConfigError("--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2 or more")
     if args.hidden % args.heads:
-        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
-                          f"multiple of {args.heads}, or --heads that divides {args.hidden}")
+        raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a multiple of {args.heads}, or --heads that divides {args.hidden}")
     if args.seq_len > len(load_text()) - 2:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the text; use at most {len(load_text()) - 2}")
     P, C, T = args.pp, args.cp, args.tp
-    D = args.dp or max(1, world_size // (P * C * T))
-    chunks = (lambda c: 2 * c if c > 1 else 1) if args.layout == "zigzag" else (lambda c: c)  # equal chunks of S
+    D, chunks = args.dp or max(1, world_size // (P * C * T)), (lambda c: 2 * c if c > 1 else 1) if args.layout == "zigzag" else (lambda c: c)
 
-    def grid_fits(p, d, c, t):
+    def grid_fits(p, d, c, t):  # equal chunks of S, heads, blocks
         return args.heads % t == 0 and p <= args.layers and args.seq_len % (chunks(c) * t ** args.sequence_parallel) == 0 \
             and (t > 1 or not args.sequence_parallel)
     if P * D * C * T != world_size or not grid_fits(P, D, C, T):
-        works = [f"--pp {world_size // (d * c * t)} --dp {d} --cp {c} --tp {t}" for d in range(1, world_size + 1)
-                 for c in range(1, world_size + 1) for t in range(1, world_size + 1)
-                 if world_size % (d * c * t) == 0 and grid_fits(world_size // (d * c * t), d, c, t)]
+        works = [f"--pp {world_size // (d * c * t)} --dp {d} --cp {c} --tp {t}" for d in range(1, world_size + 1) for c in range(1, world_size + 1)
+                 for t in range(1, world_size + 1) if world_size % (d * c * t) == 0 and grid_fits(world_size // (d * c * t), d, c, t)]
         why = (f"--pp {P} --dp {D} --cp {C} --tp {T} make {P * D * C * T} ranks, this job has {world_size}"
                if P * D * C * T != world_size else f"--tp {T} does not divide --heads {args.heads}" if args.heads % T
                else f"--pp {P} stages need at least {P} --layers, got {args.layers}" if args.layers < P
@@ -1196,19 +1203,19 @@ def parse_args(argv, world_size):
                + f" x the {T} pieces of --sequence-parallel" * args.sequence_parallel)
         raise ConfigError(f"{why}; grids of {world_size} ranks that work with --heads {args.heads} --layers "
                           f"{args.layers} --seq-len {args.seq_len}: {'; '.join(works[:8]) or 'none'}{f' and {len(works) - 8} more' * (len(works) > 8)}")
-    args.dp, share = D, args.batch_size // D if args.batch_size % D == 0 else 0
+    X, N, E = args.experts, D * C, args.ep or math.gcd(D * C, args.experts or 1)
+    if args.ep and not X or X and (N % E or X % E or args.top_k >= X):
+        raise ConfigError(f"--ep {E} shares out experts, but --experts is 0 (the dense MLP); add --experts, a multiple of {E}" if not X else
+                          f"--top-k {args.top_k} of --experts {X} leaves the router no choice; use --experts {args.top_k + 1} or more" if args.top_k >= X
+                          else f"--ep {E} must divide both the D x C = {N} data- and context-parallel ranks of a stage and --experts {X}; "
+                          f"use --ep " + " or ".join(str(e) for e in range(1, N + 1) if N % e == 0 == X % e))
+    args.dp, args.ep, share = D, E if X else 1, args.batch_size // D if args.batch_size % D == 0 else 0
     M = args.micro_batches = args.micro_batches or next((k for k in range(min(4, share), 0, -1) if share % k == 0), 1)
     if args.batch_size % (D * M):
         fits = ", ".join(str(k) for k in range(1, share + 1) if share % k == 0)
         raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x {M} micro-batches; "
                           f"use {f'--micro-batches {fits}, or ' if fits else ''}a --batch-size multiple of {D * M}")
     return args
-
-def restore(stage, optimizer, shard):
-    """Load this rank's shard (the same grid wrote it); returns the losses so far."""
-    stage.load_state_dict(shard["model"])
-    optimizer.load_state_dict(shard["optimizer"])
-    return shard["losses"]
 
 # --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
 def max_difference(losses, state, ref_losses, ref_model):

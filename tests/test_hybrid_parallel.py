@@ -126,6 +126,11 @@ def test_dry_run_rejects_a_broken_grid(kind):
     (["--batch-size", "6", "--dp", "2", "--micro-batches", "2"], 2, ["--batch-size 6", "--micro-batches 1, 3,",
                                                                       "multiple of 4"]),
     (["--tp", "0"], 1, ["--tp must be a positive integer"]),
+    (["--dp", "2", "--ep", "2"], 2, ["--ep 2 shares out experts, but --experts is 0 (the dense MLP); add --experts"]),
+    (["--dp", "2", "--cp", "2", "--experts", "6", "--ep", "4"], 4,
+     ["--ep 4 must divide both the D x C = 4 data- and context-parallel ranks of a stage and --experts 6; use --ep 1 or 2"]),
+    (["--dp", "4", "--experts", "4", "--ep", "3"], 4, ["--ep 3 must divide both the D x C = 4", "use --ep 1 or 2 or 4"]),
+    (["--experts", "2", "--top-k", "2"], 1, ["--top-k 2 of --experts 2 leaves the router no choice; use --experts 3 or more"]),
 ])
 def test_bad_grids_are_rejected_with_what_would_work(argv, world_size, words):
     with pytest.raises(hp.ConfigError) as error:
@@ -191,32 +196,32 @@ def start_buckets_after_backward(buckets):
 def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False, plant=None):
     """The pieces main() uses, without the report: (losses, max |diff| from the check, measured
     and formula counts per axis, the communicators' members as world ranks, the overlap counts of
-    the last step, the Tests each send got, every rank's count of buckets)."""
+    the last step, the Tests each send got, every rank's count of buckets exchanged, the optimizer,
+    the (token, choice) pairs dropped on all ranks and the smallest top-k gap of the router's probabilities)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
     args = hp.parse_args(TINY + ["--pp", str(pp), "--dp", str(dp), "--cp", str(cp), "--tp", str(tp), *extra],
                          comm.Get_size())
     lists = [hp.one_f_one_b(pp, args.micro_batches, hp.coordinates(r, dp, cp, tp)[0]) for r in range(comm.Get_size())]
-    hp.dry_run(lists, dp, cp, tp, args.micro_batches)
+    hp.dry_run(lists, dp, cp, tp, args.micro_batches, args.experts > 0)
     timeline = hp.Timeline(CPU)
-    counted = {axis: hp.CountedComm(c, timeline) for axis, c in hp.make_grid(comm, pp, dp, cp, tp).items()}
+    counted = {axis: hp.CountedComm(c, timeline) for axis, c in hp.make_grid(comm, pp, dp, cp, tp, args.ep).items()}
     stage = hp.build_stage(args, counted, CPU)
-    buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20, args.zero_stage == 1)
-    optimizer = hp.ShardedSGD(buckets, args.lr) if buckets.zero else \
-        torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    buckets, optimizer = hp.build_optimizer(args, stage, counted)
     if plant:
-        plant(optimizer)
+        plant(buckets, optimizer)
     sends = watch_sends(counted["pipeline"], wait_at_once=remove_overlap)
     if remove_overlap:
         start_buckets_after_backward(buckets)
     losses, _ = hp.train(args, comm, counted, CPU, stage, optimizer, buckets, lists[comm.Get_rank()], timeline)
     overlap = hp.overlap_counts(comm, timeline.step_events, args.micro_batches, buckets)
     measured = hp.per_axis(comm, counted, args.steps)
-    formula = hp.formulas(args, comm.allgather(sum(p.numel() for p in stage.parameters())),
-                          comm.allgather(len(buckets.buckets)), comm.allgather(sum(buckets.padded)))
-    members = [c.comm.allgather(world().Get_rank()) for c in counted.values()]
+    dropped = comm.allreduce(sum(b.mlp.dropped for b in stage.blocks if args.experts))
+    gap = comm.allreduce(min([b.mlp.gap for b in stage.blocks if args.experts], default=float("inf")), op=hp.MPI.MIN)
+    formula = hp.formulas(args, comm, stage, buckets, hp.fractions.Fraction(dropped, args.steps))
+    members = {axis: c.comm.allgather(world().Get_rank()) for axis, c in counted.items()}
     diff = hp.check(comm, args, CPU, losses, stage, counted)
     return losses, diff, measured, formula, members, overlap, [r.tests for r in sends], \
-        comm.allgather(len(buckets.buckets)), optimizer
+        comm.allgather(sum(c.Get_size() > 1 for c in buckets.comms)), optimizer, (dropped, gap)
 
 
 def promised_overlap(pp, dp, cp, tp, m, buckets):
@@ -230,21 +235,24 @@ def promised_overlap(pp, dp, cp, tp, m, buckets):
 
 
 def assert_trains_like_one_process(comm, pp, dp, cp, tp, extra=()):
-    losses, diff, measured, formula, members, overlap, tests, buckets, _ = train_on(comm, pp, dp, cp, tp, extra)
+    losses, diff, measured, formula, members, overlap, tests, buckets, _, dropped = train_on(comm, pp, dp, cp, tp, extra)
     assert max_everywhere(diff, comm) <= hp.TOLERANCE, (pp, dp, cp, tp, diff)
     assert agree(losses[-1] < losses[0], comm)
     exact = all(measured[a] == formula[a] for a in measured)
     assert agree(exact and measured.keys() == formula.keys(), comm), (measured, formula)
     base = world().Get_rank() - comm.Get_rank()
     p, d, c, t = hp.coordinates(comm.Get_rank(), dp, cp, tp)
-    expect = [[base + hp.rank_at(q, d, c, t, dp, cp, tp) for q in range(pp)],
-              [base + hp.rank_at(p, e, b, t, dp, cp, tp) for e in range(dp) for b in range(cp)],
-              [base + hp.rank_at(p, d, b, t, dp, cp, tp) for b in range(cp)],
-              [base + hp.rank_at(p, d, c, u, dp, cp, tp) for u in range(tp)]]
+    ep, i = int(extra[extra.index("--ep") + 1]) if "--ep" in extra else 1, d * cp + c  # i: the rank's place in "data"
+    folded = [base + hp.rank_at(p, j // cp, j % cp, t, dp, cp, tp) for j in range(dp * cp)]  # "data", in (dp, cp) order
+    expect = {"pipeline": [base + hp.rank_at(q, d, c, t, dp, cp, tp) for q in range(pp)], "data": folded,
+              "context": [base + hp.rank_at(p, d, b, t, dp, cp, tp) for b in range(cp)],
+              "tensor": [base + hp.rank_at(p, d, c, u, dp, cp, tp) for u in range(tp)],
+              "stage": [base + hp.rank_at(p, e, b, u, dp, cp, tp) for e in range(dp) for b in range(cp) for u in range(tp)],
+              "expert": folded[i // ep * ep:(i // ep + 1) * ep], "expert-data": folded[i % ep::ep]}
     assert agree(members == expect, comm)  # each axis's communicator holds the right ranks, in order
     assert agree(overlap == promised_overlap(pp, dp, cp, tp, 2, buckets), comm), overlap
     assert agree(all(n > 0 for n in tests), comm), tests  # each send Tested during its step
-    return losses, measured
+    return losses, measured, dropped
 
 
 @pytest.mark.mpi
@@ -270,7 +278,7 @@ def test_the_contiguous_layout_trains_like_one_process_and_moves_what_zigzag_mov
     every K/V block still goes round the whole ring."""
     with sub_comm(4) as comm:
         if comm is not None:
-            losses, measured = assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--layout", "contiguous"])
+            losses, measured, _ = assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--layout", "contiguous"])
             assert agree(measured["context"][2] > 0, comm)
 
 
@@ -284,15 +292,16 @@ def test_zero_1_trains_like_one_process_with_a_slice_of_the_momentum_on_each_ran
     with sub_comm(4) as comm:
         if comm is not None:
             assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--zero-stage", "1", *extra])
-            *_, optimizer = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
+            *_, optimizer, _ = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
             kept = sum(s["momentum_buffer"].numel() for s in optimizer.state_dict()["state"].values())
             assert agree(kept == sum(optimizer.buckets.padded) // (dp * cp), comm)
 
 
-def skip_the_all_gather(optimizer):
+def skip_the_all_gather(buckets, optimizer):
     """A planted bug: the all-gather replaced by copies of this rank's own slice, so that the updates
     of the other slices never arrive."""
-    optimizer.buckets.comm.Allgather = lambda send, recv: recv[:].copy_(torch.cat([send] * (len(recv) // len(send))))
+    for comm in buckets.comms:
+        comm.Allgather = lambda send, recv: recv[:].copy_(torch.cat([send] * (len(recv) // len(send))))
 
 
 @pytest.mark.mpi
@@ -311,11 +320,53 @@ def test_sequence_parallelism_trains_like_one_process_and_its_bytes_match(pp, dp
     sums of the replicated parameters' gradients, and pipeline messages of S/(C x T) positions."""
     with sub_comm(4) as comm:
         if comm is not None:
-            losses, measured = assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--sequence-parallel", *extra])
+            losses, measured, _ = assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--sequence-parallel", *extra])
             plain = train_on(comm, pp, dp, cp, tp, extra)
             assert agree(max(abs(a - b) for a, b in zip(losses, plain[0])) <= hp.TOLERANCE, comm)
             if pp > 1:  # each tensor-parallel rank sends 1/T of the activation it sent without
                 assert agree(measured["pipeline"][2] * tp == plain[2]["pipeline"][2], comm)
+
+
+EXPERTS = ["--experts", "4", "--top-k", "2"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("capacity", [None, "1.0"])
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(1, 4, 1, 1, ["--ep", "4"]), (1, 4, 1, 1, ["--ep", "2"]), (1, 2, 2, 1, ["--ep", "2"]),
+                                               (1, 2, 1, 2, ["--ep", "2"]), (1, 2, 1, 2, ["--ep", "2", "--sequence-parallel"]),
+                                               (2, 2, 1, 1, ["--ep", "2"])])
+def test_the_expert_axis_alone_and_with_each_other_axis_trains_like_one_process(pp, dp, cp, tp, extra, capacity):
+    """Expert groups of E folded over the D x C ranks of a stage: alone (--dp 4 --ep 4), with data parallelism
+    (--ep 2 of --dp 4: each expert on 2 ranks), context, tensor (experts whole on each tensor-parallel rank, with
+    and without sequence parallelism) and pipeline; dropless, and with a capacity that drops pairs. The check,
+    the communicators and the bytes of every axis, the expert axis's among them, as the docstring says."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            more = extra + EXPERTS + ["--capacity-factor", capacity] * (capacity is not None)
+            losses, measured, (dropped, gap) = assert_trains_like_one_process(comm, pp, dp, cp, tp, more)
+            assert agree(measured["expert"][2] > 0 and (dropped > 0) == (capacity is not None), comm), dropped
+            assert gap > 1e-7  # no near-tie that float32 rounding could flip (see the comment above reference_training)
+
+
+def divide_the_experts_by_their_holders(buckets, optimizer):
+    """A planted bug: each expert's gradient sum divided by the D x C / E ranks that hold it, not by the
+    D x C shares of the loss: the experts step E times too far, and nothing but the check can tell."""
+    finish = buckets.finish
+
+    def wrong():
+        finish()
+        for p in buckets.bucket_of:
+            if getattr(p, "expert", False):
+                p.grad *= buckets.shares // buckets.comms[buckets.bucket_of[p]].Get_size()
+    buckets.finish = wrong
+
+
+@pytest.mark.mpi
+def test_an_expert_gradient_divided_by_its_holders_fails_the_check():
+    with sub_comm(4) as comm:
+        if comm is not None:
+            diff = train_on(comm, 1, 4, 1, 1, ["--ep", "2", *EXPERTS], plant=divide_the_experts_by_their_holders)[1]
+            assert max_everywhere(diff, comm) > 10 * hp.TOLERANCE
 
 
 @pytest.mark.mpi
@@ -331,7 +382,7 @@ def test_the_overlap_counts_fall_when_the_overlap_is_removed():
     no bucket is posted before a later gradient and no send stays in flight while the rank computes."""
     with sub_comm(4) as comm:
         if comm is not None:
-            _, diff, *_, overlap, _, buckets, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
+            _, diff, *_, overlap, _, buckets, _, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
                                                         remove_overlap=True)
             assert max_everywhere(diff, comm) <= hp.TOLERANCE
             promised = promised_overlap(2, 2, 1, 1, 2, buckets)
@@ -354,7 +405,7 @@ def test_a_full_bucket_is_posted_before_the_last_backward_computes_the_next_buck
             timeline = hp.Timeline(CPU)
             counted = {axis: hp.CountedComm(c, timeline) for axis, c in hp.make_grid(comm, 1, 2, 1, 1).items()}
             stage = hp.build_stage(args, counted, CPU)
-            buckets = hp.GradBuckets(stage.parameters(), counted["data"], args.bucket_mb * 2**20)
+            buckets, _ = hp.build_optimizer(args, stage, counted)
             arrivals, posted, iallreduce = {}, [], counted["data"].Iallreduce
             clock = lambda: time.perf_counter() - timeline.origin_s  # noqa: E731 (the timeline's)
 
@@ -392,23 +443,24 @@ E2E = ["--layers", "3", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--b
 @pytest.mark.e2e
 @pytest.mark.parametrize("grid", [{"pp": 1, "dp": 2, "cp": 2, "tp": 2}, {"pp": 2, "dp": 1, "cp": 2, "tp": 2,
                                                                          "sequence-parallel": True},
-                                  {"pp": 2, "dp": 2, "cp": 2, "tp": 1, "zero-stage": 1}])
+                                  {"pp": 2, "dp": 2, "cp": 2, "tp": 1, "zero-stage": 1},
+                                  {"pp": 2, "dp": 4, "cp": 1, "tp": 1, "ep": 2, "experts": 4, "zero-stage": 1}])
 def test_triples_on_eight_ranks_staged_through_host_copies_pass_their_check_and_counts_match(tmp_path, grid):
     """Three axes at once on 8 ranks: data x context x tensor, pipeline x context x tensor with sequence
-    parallelism, pipeline x data x context with ZeRO-1. STAGE_ALL=1 (tests/inject.py): every buffer
+    parallelism, pipeline x data x context and pipeline x data x expert with ZeRO-1. STAGE_ALL=1 (tests/inject.py): every buffer
     handed to MPI is a host copy, as on a GPU whose MPI cannot read its memory, so that the check
     proves every copy back."""
     flags = [x for axis, size in grid.items() for x in ((f"--{axis}",) if size is True else (f"--{axis}", size))]
     out = launch("hybrid_parallel.py", 8, *E2E, *flags, "--steps", 3, "--json", "--trace", tmp_path / "trace.json",
                  timeout=400, env=clean_env(STAGE_ALL=1))
     result = last_json(out)
-    pp, dp, cp, tp = (grid[a] for a in ("pp", "dp", "cp", "tp"))
-    assert result["grid"] == {"pp": pp, "dp": dp, "cp": cp, "tp": tp} and result["world_size"] == 8
+    pp, dp, cp, tp, ep = (grid.get(a, 1) for a in ("pp", "dp", "cp", "tp", "ep"))
+    assert result["grid"] == {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep} and result["world_size"] == 8
     assert result["zero_stage"] == grid.get("zero-stage", 0)
     assert result["check_max_abs_diff"] <= hp.TOLERANCE and "-> PASS" in out.stdout
     formula = result["formula_by_axis"]
-    assert set(result["comm_bytes_per_step_by_axis"]) == set(formula) == {"pipeline", "data", "context", "tensor"}
-    for axis, size in (("pipeline", pp), ("data", dp * cp), ("context", cp), ("tensor", tp)):
+    assert set(result["comm_bytes_per_step_by_axis"]) == set(formula) == {"pipeline", "data", "context", "tensor", "expert"}
+    for axis, size in (("pipeline", pp), ("data", dp * cp), ("context", cp), ("tensor", tp), ("expert", ep)):
         assert result["comm_bytes_per_step_by_axis"][axis] == formula[axis]["bytes"]
         assert (formula[axis]["bytes"] > 0) == (size > 1), axis
         assert result["collectives_per_step_by_axis"][axis] == formula[axis]["collectives"]
@@ -416,7 +468,8 @@ def test_triples_on_eight_ranks_staged_through_host_copies_pass_their_check_and_
     per_micro_batch = (14 * 3 + 10) if result["sequence_parallel"] else (4 * 3 + 5) * (tp > 1)  # 14L + 10, or 4L + 5
     assert result["collectives_per_step_by_axis"]["tensor"] == dp * cp * 2 * per_micro_batch  # x D x C x M
     assert result["messages_per_step"] == 2 * 2 * (pp - 1) * dp * cp * tp  # 2M(P-1) x D x C x T
-    assert result["overlap"] == promised_overlap(pp, dp, cp, tp, 2, [1] * 8)  # one 25 MB bucket a rank
+    assert result["overlap"] == promised_overlap(pp, dp, cp, tp, 2, [1 + (ep > 1)] * 8)  # one 25 MB bucket a rank, and the experts'
+
     assert len(result["peak_memory_bytes_per_rank"]) == 8
     assert (tmp_path / "trace.json").exists()
     if grid == {"pp": 1, "dp": 2, "cp": 2, "tp": 2}:
@@ -443,7 +496,7 @@ def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
                    zip(moment, again[name]["optimizer"]["state"].values()))
     other = launch("hybrid_parallel.py", 4, *run, "--steps", 6, "--pp", 2, "--dp", 2, "--tp", 1, "--zero-stage", 1,
                    "--resume", timeout=300)
-    assert_refused(other, "'grid': {'pp': 2, 'dp': 1, 'cp': 2, 'tp': 1, 'layout': 'zigzag', 'zero_stage': 1, "
+    assert_refused(other, "'grid': {'pp': 2, 'dp': 1, 'cp': 2, 'tp': 1, 'ep': 1, 'experts': 0, 'layout': 'zigzag', 'zero_stage': 1, "
                           "'sequence_parallel': False}")
 
 
