@@ -34,31 +34,53 @@ allreduce averages over all of them (Megatron's data-parallel group with context
   (pp, dp, tp) (0-2, 1-3, ...); ==>: point-to-point between the ranks of equal (dp, cp, tp) (0-8, ...).
 
 Communication per step, summed over every rank of the grid (L blocks, B sequences of S characters,
-hidden size h, M micro-batches, float32 = 4 bytes, A = 4BSh the bytes of one activation of the whole
-batch; an axis of size 1 moves nothing):
-  pipeline: 2M(P - 1) x D x C x T messages, 2(P - 1) x T x A bytes: each of a stage's T ranks sends its
-            own copy of its positions' activation to its peer in the next stage.
+hidden size h, M micro-batches, A = 4BSh the bytes of one float32 activation of the whole batch, e = 4
+bytes an element moved, 2 in bf16; F = 2L with --recompute full, else 0; R = 1 with selective or full;
+an axis of size 1 moves nothing):
+  pipeline: 2M(P - 1) x D x C x T messages, 2(P - 1) x T x eBSh bytes: each of a stage's T ranks sends
+            its own copy of its positions' activation to its peer in the next stage.
   data:     one allreduce per bucket (--bucket-mb) in each of the P x T groups of equal (pp, tp);
             D x C x 4W bytes, W the parameters of one replica: the model's, its vocabulary padded to a
             multiple of T, plus (T - 1) x (Sh + 6Lh + 2h) held whole on every tensor-parallel rank
             (LayerNorms, position embedding, row-parallel biases).
-  context:  L x M x D x C x T x (3C - 2) Sendrecvs, L x (3C - 2) x 2A bytes: per block and micro-batch
-            each rank passes its K/V (2 x 4b(S/C)(h/T) bytes) C - 1 hops forward, C - 1 again in
-            backward, and the dK/dV accumulators C hops home.
-  tensor:   D x C x M x (4L + 5) allreduces (per micro-batch and (dp, cp): 2 per block forward (g),
-            2 backward (f), the embedding's g, the head's f, 3 for the loss);
-            T x [(4L + 2) x A + 3 x 4BS] bytes: each of a group's T ranks hands in the activation.
-  tensor, --sequence-parallel: D x C x M x (14L + 10) collectives, (4L + 2)(T + 1) x A + 12BST +
-            4MDCT(Sh + 6Lh + 2h) bytes: per block 2 all-gathers and 2 reduce-scatters each way, and per
-            micro-batch an allreduce of each replicated parameter's gradient; the pipeline's bytes fall to 2(P - 1) x A.
+  context:  L x M x D x C x T x (3C - 2 + R(C - 1)) Sendrecvs, L x 2BSh x ((2 + R)e(C - 1) + 4C) bytes: per
+            block and micro-batch each rank passes its K/V (2 x eb(S/C)(h/T) bytes) C - 1 hops forward, C - 1
+            in backward (R: again, as the forward reruns), and the float32 dK/dV accumulators C hops home.
+  tensor:   D x C x M x (4L + 5 + F) allreduces (per micro-batch and (dp, cp): 2 per block forward (g),
+            2 backward (f), the embedding's g, the head's f, 3 for the loss; F: the blocks' g again);
+            T x [(4L + 2 + F) x A + 3 x 4BS] bytes, float32 in bf16 too: each of T ranks hands in its sum.
+  tensor, --sequence-parallel: D x C x M x (14L + 10 + 2F) collectives, (4L + 2 + F)T x A + (4L + 1 + F)
+            x eBSh + A + 12BST + 4MDCT(Sh + 6Lh + 2h) bytes: per block 2 all-gathers (e) and 2 float32
+            reduce-scatters each way, the embedding's (A, a lookup's) and the head's, and per micro-batch
+            an allreduce of each replicated parameter's gradient; the pipeline's bytes fall to 2(P - 1) x eBSh.
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
   ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each
             bucket (still posted in backward) and an Allgather of the updated parameters after the step:
             2 collectives per bucket, 4W' x (D x C + 1) bytes, W' = W with each bucket padded to a multiple
             of D x C; rank r of the D x C steps only slice r of each bucket, and keeps its momentum alone.
-Memory per rank, float32, W_r its stage's parameters (its share of the T-way split): weights 4W_r,
-  gradients 4W_r, momentum 4W_r (--zero-stage 1: 4W_r'/(D x C), W_r' padded as above); activations of
-  up to min(M, P - s) micro-batches in flight on stage s (1F1B), each b x S/C positions.
+Mixed precision (--precision bf16): forward and loss under torch.autocast(bfloat16), on the ranks and in
+--check's one process. A matmul multiplies bf16 copies of the float32 parameters (the master weights;
+autograd keeps the copies); gradients land, add up over micro-batches and are reduced in float32
+(Megatron's default: bf16 would halve the data axis's bytes and the gradients' memory, but round small
+terms away as they add up, and MPI cannot sum bf16), as SGD's momentum. Float32: the residual stream (so
+LayerNorm's statistics), softmax, the ring's scores, lse and merge, the loss's max, target logit and sum of
+exponentials, and every sum handed to MPI (g and the reduce-scatters cast bf16 partial products up).
+What only moves is bf16: the pipeline's activations and gradients (cast down to send, up on arrival, as
+Megatron sends them), K/V round the ring, the sequence-parallel all-gathers: half their bytes.
+Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by
+save_for_backward, where the saved-tensor hooks that measure activations see them (the non-reentrant form
+hides them), runs fn without autograd and again in backward under the forward's autocast. full: each block
+from its input alone, its g (all-gathers, reduce-scatters) and ring hops again (F, R). selective: attention's
+core (scores, mask, softmax, x V), q, k, v kept (Korthikanti et al. 2022). With C > 1 the ring keeps no
+weights (its backward recomputes them from lse, as FlashAttention): selective drops only its output and
+lse, for the ring's forward hops again (R), a poor trade there, as in context_parallel.py.
+Memory per rank, W_r its stage's parameters (its share of the T-way split): weights, gradients, momentum
+  4W_r each, in bf16 too (--zero-stage 1: momentum 4W_r'/(D x C), W_r' padded as above). Activations saved
+  by one micro-batch's forward (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with
+  --sequence-parallel, else 1), per block: none bsh(8/c + 2e + 12e/t) + 16bs/c + X; selective without X; full
+  4bsh/c, the float32 input. X: (4, in bf16 6)abs^2/t + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t
+  + 4abs/t (the ring's output and lse) at C > 1. Once: 9bs + 8s/c on the first stage, bsh(4/c + e) + 8bs/c
+  + 4bsV/t + 9bs on the last (V padded). 1F1B holds up to min(M, P - s) micro-batches on stage s.
 
 When to choose it: the model outgrows one node, or the sequence one device's memory. Tensor inside a
 node, context next (long sequences), the pipeline across nodes, data parallelism over the replicas
@@ -69,29 +91,13 @@ argparse.py, textwrap.py and shlex.py.
 
 Run:  mpirun -np 16 python hybrid_parallel.py --pp 2 --dp 2 --cp 2 --tp 2     (add --help for the flags)
 """
-import argparse
-import collections
-import contextlib
-import ctypes
-import errno
-import functools
-import hashlib
-import importlib.util
-import io
-import json
-import math
-import os
-import shutil
-import signal
-import statistics
-import sys
-import time
-import traceback
-import types
+import argparse, collections, contextlib, ctypes, errno, functools, hashlib, importlib.util, io, json  # noqa: E401
+import math, os, shutil, signal, statistics, sys, time, traceback, types  # noqa: E401
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import mpi4py
 
 mpi4py.rc.initialize = False  # MPI starts in start_mpi(), once this rank's GPU is chosen
@@ -106,6 +112,8 @@ STRATEGY = "hybrid_parallel"
 # 1.2e-6 (zigzag / contiguous); ZeRO-1 --dp 4 7.7e-7, --dp 2 --cp 2 contiguous 8.0e-7. The 2e-5 of
 # tensor_parallel.py and pipeline_parallel.py kept: a 10 x 2e-5 nudge of one weight must show.
 TOLERANCE = 2e-5
+# bf16, both sides under autocast: PROVISIONAL, to be measured.
+TOLERANCE_BF16 = 2e-2
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
@@ -194,11 +202,12 @@ class f(torch.autograd.Function):
 
 
 class g(torch.autograd.Function):
-    """Allreduce forward, identity backward: sums the partial products of a row-parallel layer."""
+    """Allreduce forward, identity backward: sums the partial products of a row-parallel layer
+    (bf16 ones cast up first: MPI cannot sum bf16; the stream stays float32)."""
 
     @staticmethod
     def forward(ctx, x, comm):
-        return allreduce(x, comm)
+        return allreduce(x.float(), comm)
 
     @staticmethod
     def backward(ctx, dy):
@@ -235,21 +244,21 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return scatter_sequence(dy, ctx.comm), None
+        return scatter_sequence(dy.float(), ctx.comm), None  # a sum: float32
 
 
 class ScatterSequence(torch.autograd.Function):
     """Sequence parallelism's g: after a row-parallel layer, reduce-scatter the partial sums, so that
-    each rank holds the whole sum for its piece of the sequence; backward, all-gather."""
+    each rank holds the whole sum for its piece of the sequence; backward, all-gather (in x's dtype)."""
 
     @staticmethod
     def forward(ctx, x, comm):
-        ctx.comm = comm
-        return scatter_sequence(x, comm)
+        ctx.comm, ctx.dtype = comm, x.dtype
+        return scatter_sequence(x.float(), comm)  # a sum: float32
 
     @staticmethod
     def backward(ctx, dy):
-        return gather_sequence(dy, ctx.comm), None
+        return gather_sequence(dy.to(ctx.dtype), ctx.comm), None
 
 
 def shard(t, dim, comm, groups=1, padded=None):
@@ -274,6 +283,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if full.bias is None else shard(full.bias, 0, comm, groups, padded)
 
     def forward(self, x):
+        if self.sequence_parallel and torch.is_autocast_enabled(x.device.type):  # the all-gather moves bf16
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         x = GatherSequence.apply(x, self.comm) if self.sequence_parallel else f.apply(x, self.comm)
         return F.linear(x, self.weight, self.bias)
 
@@ -316,7 +327,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, comm):
-        per = logits.size(-1)
+        logits, per = logits.float(), logits.size(-1)  # max, target logit, sum of exponentials: float32
         start = comm.Get_rank() * per
         padding = torch.arange(start, start + per, device=logits.device) >= VOCAB
         logits = logits.masked_fill(padding, float("-inf"))  # padded columns take no probability
@@ -356,7 +367,7 @@ class Stage(nn.Module):
     """Blocks [lo, hi) of the full model, with the embedding on the first stage and the final
     norm and head on the last, every matrix sharded over the tensor-parallel communicator."""
 
-    def __init__(self, model, lo, hi, first, last, comm, ring=None, where=None, sequence_parallel=False):
+    def __init__(self, model, lo, hi, first, last, comm, ring=None, where=None, sequence_parallel=False, recompute="none"):
         super().__init__()
         self.first, self.last, self.hidden, self.where = first, last, model.norm.normalized_shape[0], where
         padded = padded_vocab(comm.Get_size())
@@ -364,7 +375,7 @@ class Stage(nn.Module):
             self.tokens, self.positions = VocabParallelEmbedding(model.tokens, comm, padded), model.positions
         self.blocks = nn.ModuleList(shard_block(b, comm) for b in model.blocks[lo:hi])
         for block in self.blocks:
-            block.ring = ring
+            block.ring, block.recompute = ring, recompute
         if last:
             self.norm, self.out = model.norm, ColumnParallelLinear(model.out, comm, padded=padded)
         # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T
@@ -383,8 +394,8 @@ class Stage(nn.Module):
     def forward(self, x):
         if self.first:  # this rank's global positions, wherever the layout put them
             x = self.tokens(x) + self.positions(self.where)
-        for block in self.blocks:
-            x = block(x)
+        for block in self.blocks:  # --recompute full: each block's input kept alone, the block run again in backward
+            x = checkpoint(block, x, use_reentrant=True) if block.recompute == "full" else block(x)
         return self.out(self.norm(x)) if self.last else x
 
 
@@ -419,11 +430,12 @@ def block_plan(queries, keys):
 
 
 def block_attention(q, k, v, plan):
-    """The plan's queries against one block of keys: the block's output and its log-sum-exp."""
-    scores = q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1) / math.sqrt(q.size(-1))
+    """The plan's queries against one block of keys: the block's output and its log-sum-exp, float32
+    (the matmuls in the dtype of q, k, v: bf16 under autocast)."""
+    scores = (q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1)).float() / math.sqrt(q.size(-1))
     scores = scores.masked_fill(plan.mask, float("-inf"))
     lse = scores.logsumexp(dim=-1)
-    return (scores - lse.unsqueeze(-1)).exp() @ v[:, :, plan.cols], lse
+    return ((scores - lse.unsqueeze(-1)).exp().to(v.dtype) @ v[:, :, plan.cols]).float(), lse
 
 
 def ring_pass(t, comm):
@@ -457,6 +469,7 @@ class RingAttention(torch.autograd.Function):
                     lse[:, :, plan.rows] = s - F.logsigmoid(s - block_lse)
             if i < ring.comm.Get_size() - 1:
                 kv = ring_pass(kv, ring.comm)
+        out = out.to(q.dtype)  # merged in float32, kept and returned in q's dtype (proj's, under autocast)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out
@@ -465,19 +478,18 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, dout, scale = ctx.ring, dout.contiguous(), 1 / math.sqrt(q.size(-1))
-        delta = (dout * out).sum(-1)  # rowsum(P dP) of softmax's backward, = rowsum(dO O) (FlashAttention's D)
-        dq, kv, travelling = torch.zeros_like(q), torch.stack([k, v]), None
-        for i in range(ring.comm.Get_size()):
-            dkv, plan = torch.zeros_like(kv), ring.plans[(ring.comm.Get_rank() - i) % ring.comm.Get_size()]
+        delta = (dout.float() * out.float()).sum(-1)  # rowsum(P dP) of softmax's backward, = rowsum(dO O) (FlashAttention's D)
+        dq, kv, travelling, low = torch.zeros_like(q, dtype=lse.dtype), torch.stack([k, v]), None, q.dtype
+        for i in range(ring.comm.Get_size()):  # sums in float32 (dQ, and dK/dV going home); K/V move in q's dtype
+            dkv, plan = torch.zeros_like(kv, dtype=lse.dtype), ring.plans[(ring.comm.Get_rank() - i) % ring.comm.Get_size()]
             if plan is not None:
-                rows, cols = plan.rows, plan.cols
-                scores = (q[:, :, rows] @ kv[0][:, :, cols].transpose(-2, -1) * scale).masked_fill(plan.mask, float("-inf"))
+                rows, cols, dor = plan.rows, plan.cols, dout[:, :, plan.rows].to(low)
+                scores = ((q[:, :, rows] @ kv[0][:, :, cols].transpose(-2, -1)).float() * scale).masked_fill(plan.mask, float("-inf"))
                 weights = (scores - lse[:, :, rows].unsqueeze(-1)).exp()  # the block's share of the whole softmax
-                dv = weights.transpose(-2, -1) @ dout[:, :, rows]
-                dscores = weights * (dout[:, :, rows] @ kv[1][:, :, cols].transpose(-2, -1) - delta[:, :, rows].unsqueeze(-1)) * scale
-                dq[:, :, rows] += dscores @ kv[0][:, :, cols]
-                dkv[0][:, :, cols] += dscores.transpose(-2, -1) @ q[:, :, rows]
-                dkv[1][:, :, cols] += dv
+                dscores = weights * ((dor @ kv[1][:, :, cols].transpose(-2, -1)).float() - delta[:, :, rows].unsqueeze(-1)) * scale
+                dq[:, :, rows] += (dscores.to(low) @ kv[0][:, :, cols]).float()
+                dkv[0][:, :, cols] += (dscores.to(low).transpose(-2, -1) @ q[:, :, rows]).float()
+                dkv[1][:, :, cols] += (weights.to(low).transpose(-2, -1) @ dor).float()
             if travelling is not None:
                 dkv += travelling  # the shares of the ranks before, of this same block
             travelling = ring_pass(dkv, ring.comm)
@@ -742,11 +754,12 @@ class ShardedSGD:
 # -----------------------------------------------------------------------------
 # The hybrid training step: this rank's list of actions, executed
 # -----------------------------------------------------------------------------
-def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, timeline):
+def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, timeline, precision="fp32"):
     """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches.
     Returns on the last stage the replica's loss (the micro-batches' losses, each divided by M,
     summed), elsewhere 0."""
-    s, last_stage = pp_comm.Get_rank(), pp_comm.Get_size() - 1
+    s, last_stage, bf16 = pp_comm.Get_rank(), pp_comm.Get_size() - 1, precision == "bf16"
+    wire = torch.bfloat16 if bf16 else torch.float32  # what crosses a stage boundary, both ways
     xs, ys = x.chunk(m), y.chunk(m)
     shape = (xs[0].size(0), xs[0].size(1) // stage.cut, stage.hidden)  # an activation, or its gradient
     inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
@@ -754,7 +767,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
     optimizer.zero_grad(set_to_none=False)
 
     def post(a):  # a receive from the previous stage (activations) or the next (gradients)
-        t = torch.empty(shape, device=x.device)
+        t = torch.empty(shape, dtype=wire, device=x.device)
         buffer = mpi_buffer(t, send=False)
         source = s - 1 if a.op == "recv_act" else s + 1
         recvs[a] = (pp_comm.Irecv(buffer, source=source, tag=tag(a.op, a.mb)), t, buffer)
@@ -771,8 +784,8 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
             request.Wait()  # idle until the peer's message is in
             received[a] = from_mpi(t, buffer)
         elif a.op == "forward":
-            with timeline.span("compute", f"F{a.mb}"):
-                inp = xs[a.mb] if s == 0 else received.pop(Action("recv_act", a.mb)).requires_grad_()
+            with timeline.span("compute", f"F{a.mb}"), stage.meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+                inp = xs[a.mb] if s == 0 else received.pop(Action("recv_act", a.mb)).float().requires_grad_()
                 out = stage(inp)
                 if s == last_stage:  # divided by M: the summed gradients are the whole share's
                     out = VocabParallelCrossEntropy.apply(out, ys[a.mb], tp_comm) / m
@@ -782,11 +795,11 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
             if k == last_backward:
                 buckets.start()  # from now on, a complete bucket starts its allreduce
             with timeline.span("compute", f"B{a.mb}"):
-                outputs.pop(a.mb).backward(None if s == last_stage else received.pop(Action("recv_grad", a.mb)))
+                outputs.pop(a.mb).backward(None if s == last_stage else received.pop(Action("recv_grad", a.mb)).float())
             grads[a.mb] = inputs.pop(a.mb).grad
         elif a.op.startswith("send_"):  # the activation to the next stage, or the gradient back
             forward = a.op == "send_act"
-            buffer = mpi_buffer(outputs[a.mb].detach() if forward else grads.pop(a.mb).contiguous())
+            buffer = mpi_buffer((outputs[a.mb].detach() if forward else grads.pop(a.mb)).to(wire).contiguous())
             sends.append((pp_comm.Isend(buffer, dest=s + 1 if forward else s - 1, tag=tag(a.op, a.mb)), buffer))
         elif a.op == "reduce":
             buckets.finish()
@@ -810,13 +823,15 @@ def attend(qkv, heads, ring=None):
         return RingAttention.apply(q, k, v, ring).transpose(1, 2).reshape(b, t, c)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
     future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
-    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    weights = scores.float().masked_fill(future, float("-inf")).softmax(dim=-1)  # float32, bf16 or not
     return (weights @ v).transpose(1, 2).reshape(b, t, c)
 
 
 class Block(nn.Module):
     """Pre-LayerNorm decoder block. GELU and LayerNorm keep training a smooth function of the
     weights, so float32 rounding differences between grids stay at rounding level."""
+
+    recompute = "none"  # the plain model's; Stage sets the run's --recompute
 
     def __init__(self, hidden, heads):
         super().__init__()
@@ -827,7 +842,8 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
-        x = x + self.proj(attend(self.qkv(self.ln1(x)), self.heads, self.ring))
+        qkv, selective = self.qkv(self.ln1(x)), self.recompute == "selective"  # selective: attention's core again in backward
+        x = x + self.proj(checkpoint(attend, qkv, self.heads, self.ring, use_reentrant=True) if selective else attend(qkv, self.heads, self.ring))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
@@ -868,8 +884,10 @@ def build_stage(args, axes, device, model=None):
     ring = Ring(cp, positions, device) if cp.Get_size() > 1 else None
     where = positions[cp.Get_rank()]  # with --sequence-parallel, tensor-parallel rank t's piece of them
     where = where.view(args.tp, -1)[axes["tensor"].Get_rank()] if args.sequence_parallel else where
-    return Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, axes["tensor"], ring,
-                 where.to(device), args.sequence_parallel).to(device)
+    stage = Stage(model or build_model(args), lo, hi, s == 0, s == pp - 1, axes["tensor"], ring,
+                  where.clone().to(device), args.sequence_parallel, args.recompute).to(device)
+    stage.meter = SavedActivations(stage)  # the report's: what one micro-batch's forward saves for backward
+    return stage
 
 
 # -----------------------------------------------------------------------------
@@ -915,7 +933,7 @@ def train(args, comm, counted, device, stage, optimizer, buckets, actions, timel
         x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len), replica, args.dp)
         x, y = x[:, positions], y[:, positions]  # this rank's positions of its replica's sequences
         losses.append(train_step(stage, optimizer, buckets, actions, x.to(device), y.to(device),
-                                 args.micro_batches, pp_comm, tp_comm, timeline))
+                                 args.micro_batches, pp_comm, tp_comm, timeline, args.precision))
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, shares)[0], records[-1])
@@ -1000,7 +1018,8 @@ def reference_training(args, device):
     losses = []
     for step in range(args.steps):
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):  # bf16 against bf16
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -1022,6 +1041,37 @@ def check(comm, args, device, losses, stage, counted):
     ref_stage = build_stage(args, counted, device, reference)
     diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), ref_stage)
     return comm.allreduce(diff, op=MPI.MAX)
+
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Entered around one micro-batch's forward: the bytes of the storages autograd saves for its backward,
+    each once, parameters and autocast's bf16 copies of them left out (a copy's grad_fn is ToCopyBackward0,
+    whose next function is the parameter's AccumulateGrad); .bytes: the most of any micro-batch."""
+
+    def __init__(self, stage):
+        super().__init__(self.pack, lambda t: t)
+        self.parameters, self.storages, self.bytes = {p.untyped_storage().data_ptr() for p in stage.parameters()}, {}, 0
+
+    def pack(self, t):
+        base = t if t._base is None else t._base  # the tensor a view (a weight's transpose) looks at
+        copied = base.grad_fn.next_functions[0][0] if type(base.grad_fn).__name__ == "ToCopyBackward0" else None
+        storage = getattr(copied, "variable", t).untyped_storage()  # a parameter's copy counts as the parameter
+        self.storages[storage.data_ptr()] = 0 if storage.data_ptr() in self.parameters else storage.nbytes()
+        return t
+
+    def __exit__(self, *exception):
+        super().__exit__(*exception)
+        self.bytes, self.storages = max(self.bytes, sum(self.storages.values())), {}
+
+def activation_bytes(args, s):
+    """The docstring's activations of one micro-batch on a rank of stage s, in bytes; beyond its
+    terms: 8-byte token indices, 1-byte masks (the embedding's, the loss's, the causal one)."""
+    b, n, h, a, T = args.batch_size // (args.dp * args.micro_batches), args.seq_len // args.cp, args.hidden, args.heads, args.tp
+    e, cut, (lo, hi) = 2 if args.precision == "bf16" else 4, T if args.sequence_parallel else 1, layer_split(args.layers, args.pp)[s]
+    core = (e * b * n * h + 4 * a * b * n) // T if args.cp > 1 else (4 if e == 4 else 6) * a * b * n * n // T + n * n
+    block = (8 * b * n * h + 16 * b * n) // cut + 2 * e * b * n * h + 12 * e * b * n * h // T + core * (args.recompute == "none")
+    block = 4 * b * n * h // cut if args.recompute == "full" else block
+    last = (4 * b * n * h + 8 * b * n) // cut + e * b * n * h + 4 * b * n * padded_vocab(T) // T + 9 * b * n
+    return (hi - lo) * block + (9 * b * n + 8 * n // cut) * (s == 0) + last * (s == args.pp - 1)
 
 def print_header(comm, args, run, stage, buckets, resumed):
     P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
@@ -1048,13 +1098,14 @@ def print_header(comm, args, run, stage, buckets, resumed):
            f"of every bucket (its momentum alone), all-gathers the rest" if buckets.zero else ""))
 
 FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis, its variant) -> (count, bytes)
-    ("pipeline", False): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x 4BSh"),
-    ("pipeline", True): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x 4BSh (sequence-parallel)"),
+    ("pipeline", False): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x eBSh"),
+    ("pipeline", True): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x eBSh (sequence-parallel)"),
     ("data", False): ("allreduces: one per bucket per (pp, tp) group", "D x C x 4W"),
     ("data", True): ("reduce-scatters and all-gathers: one each per bucket per (pp, tp) group", "4W' x (D x C + 1)"),
-    ("context", False): ("messages L x M x D x C x T x (3C - 2)", "L x (3C - 2) x 8BSh"),
-    ("tensor", False): ("allreduces D x C x M x (4L + 5)", "T x [(4L + 2) x 4BSh + 3 x 4BS]"),
-    ("tensor", True): ("collectives D x C x M x (14L + 10)", "(4L + 2)(T + 1) x 4BSh + 12BST + 4MDCT(Sh + 6Lh + 2h)")}
+    ("context", False): ("messages L x M x D x C x T x (3C - 2 + R(C - 1))", "L x 2BSh x ((2 + R)e(C - 1) + 4C)"),
+    ("tensor", False): ("allreduces D x C x M x (4L + 5 + F)", "T x [(4L + 2 + F) x 4BSh + 3 x 4BS]"),
+    ("tensor", True): ("collectives D x C x M x (14L + 10 + 2F)",
+                       "(4L + 2 + F)T x 4BSh + (4L + 1 + F) x eBSh + 4BSh + 12BST + 4MDCT(Sh + 6Lh + 2h)")}
 
 def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
@@ -1126,15 +1177,18 @@ def formulas(args, stage_params, stage_buckets, stage_padded):
     P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
     L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
     activation, replicated, zero = 4 * B * S * h, S * h + 6 * L * h + 2 * h, args.zero_stage == 1 and D * C > 1
+    e, R, F_ = 2 if args.precision == "bf16" else 4, args.recompute != "none", 2 * L * (args.recompute == "full")
+    moved = e * B * S * h  # an activation as it moves: bf16 in bf16 runs; every sum float32
     W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
     assert sum(stage_params) == D * C * W  # what the ranks hold, added up
-    tensor = (D * C * M * (14 * L + 10), 0, (4 * L + 2) * (T + 1) * activation + 12 * B * S * T  # + the hooks' sums
-              + M * D * C * T * 4 * replicated) if args.sequence_parallel else \
-        (D * C * M * (4 * L + 5) * (T > 1), 0, T * ((4 * L + 2) * activation + 3 * 4 * B * S) * (T > 1))
-    return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * activation),
+    tensor = (D * C * M * (14 * L + 10 + 2 * F_), 0, (4 * L + 2 + F_) * T * activation + (4 * L + 1 + F_) * moved
+              + activation + 12 * B * S * T + M * D * C * T * 4 * replicated) if args.sequence_parallel else \
+        (D * C * M * (4 * L + 5 + F_) * (T > 1), 0, T * ((4 * L + 2 + F_) * activation + 3 * 4 * B * S) * (T > 1))
+    return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * moved),
             "data": ((sum(stage_buckets) // (D * C) * (D * C > 1), 0, D * C * 4 * W * (D * C > 1)) if not zero else
                      (2 * sum(stage_buckets) // (D * C), 0, 4 * sum(stage_padded) + 4 * sum(stage_padded) // (D * C))),
-            "context": (0, L * M * D * C * T * (3 * C - 2) * (C > 1), L * (3 * C - 2) * 2 * activation * (C > 1)),
+            "context": (0, L * M * D * C * T * (3 * C - 2 + R * (C - 1)) * (C > 1),
+                        L * 2 * B * S * h * ((2 + R) * e * (C - 1) + 4 * C) * (C > 1)),
             "tensor": tensor}
 
 def draw_timeline(rows, slots, width):
@@ -1168,9 +1222,6 @@ def parse_args(argv, world_size):
     p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded "
                    "over the D x C ranks of equal (pp, tp) (ZeRO-1: reduce-scatter, step a slice, all-gather)")
     args = check_common(p.parse_args(argv))
-    if args.precision != "fp32" or args.recompute != "none":
-        raise ConfigError(f"--precision {args.precision} --recompute {args.recompute}: hybrid_parallel.py offers "
-                          f"neither bf16 nor recomputation yet; use --precision fp32 --recompute none")
     if args.sequence_parallel and args.tp == 1:
         raise ConfigError("--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2 or more")
     if args.hidden % args.heads:
