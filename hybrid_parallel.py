@@ -58,29 +58,27 @@ an axis of size 1 moves nothing):
             bucket (still posted in backward) and an Allgather of the updated parameters after the step:
             2 collectives per bucket, 4W' x (D x C + 1) bytes, W' = W with each bucket padded to a multiple
             of D x C; rank r of the D x C steps only slice r of each bucket, and keeps its momentum alone.
-Mixed precision (--precision bf16): forward and loss under torch.autocast(bfloat16), on the ranks and in
---check's one process. A matmul multiplies bf16 copies of the float32 parameters (the master weights;
-autograd keeps the copies); gradients land, add up over micro-batches and are reduced in float32
-(Megatron's default: bf16 would halve the data axis's bytes and the gradients' memory, but round small
-terms away as they add up, and MPI cannot sum bf16), as SGD's momentum. Float32: the residual stream (so
-LayerNorm's statistics), softmax, the ring's scores, lse and merge, the loss's max, target logit and sum of
-exponentials, and every sum handed to MPI (g and the reduce-scatters cast bf16 partial products up).
-What only moves is bf16: the pipeline's activations and gradients (cast down to send, up on arrival, as
-Megatron sends them), K/V round the ring, the sequence-parallel all-gathers: half their bytes.
+Mixed precision (--precision bf16): forward and loss under torch.autocast(bfloat16), on the ranks and in --check's
+one process. A matmul multiplies bf16 copies of the float32 parameters (the master weights; autograd keeps the
+copies); gradients land, add up over micro-batches and are reduced in float32 (Megatron's default: bf16 would
+halve the data axis's bytes and the gradients' memory, but round small terms away as they add up, and MPI cannot
+sum bf16), as SGD's momentum. Float32: the residual stream (so LayerNorm's statistics), softmax, the ring's scores,
+lse and merge, the loss's max, target logit and sum of exponentials, every sum handed to MPI (g and reduce-scatters
+cast bf16 partial products up). What only moves is bf16 (half the bytes): the pipeline's activations and gradients
+(cast down to send, up on arrival; Megatron sends bf16), K/V round the ring, the sequence-parallel all-gathers.
 Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by
-save_for_backward, where the saved-tensor hooks that measure activations see them (the non-reentrant form
-hides them), runs fn without autograd and again in backward under the forward's autocast. full: each block
-from its input alone, its g (all-gathers, reduce-scatters) and ring hops again (F, R). selective: attention's
-core (scores, mask, softmax, x V), q, k, v kept (Korthikanti et al. 2022). With C > 1 the ring keeps no
-weights (its backward recomputes them from lse, as FlashAttention): selective drops only its output and
-lse, for the ring's forward hops again (R), a poor trade there, as in context_parallel.py.
-Memory per rank, W_r its stage's parameters (its share of the T-way split): weights, gradients, momentum
-  4W_r each, in bf16 too (--zero-stage 1: momentum 4W_r'/(D x C), W_r' padded as above). Activations saved
-  by one micro-batch's forward (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with
-  --sequence-parallel, else 1), per block: none bsh(8/c + 2e + 12e/t) + 16bs/c + X; selective without X; full
-  4bsh/c, the float32 input. X: (4, in bf16 6)abs^2/t + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t
-  + 4abs/t (the ring's output and lse) at C > 1. Once: 9bs + 8s/c on the first stage, bsh(4/c + e) + 8bs/c
-  + 4bsV/t + 9bs on the last (V padded). 1F1B holds up to min(M, P - s) micro-batches on stage s.
+save_for_backward, where the saved-tensor hooks that measure activations see them (the non-reentrant form hides
+them), runs fn without autograd and again in backward under the forward's autocast. full: each block from its
+input alone, its g (all-gathers, reduce-scatters) and ring hops again (F, R). selective: attention's core (scores,
+mask, softmax, x V), q, k, v kept (Korthikanti et al. 2022); the ring keeps no weights (its backward recomputes them
+from lse, as FlashAttention), so at C > 1 selective drops only its output and lse, for its forward hops again (R).
+Memory per rank, W_r its stage's parameters (its share of the T-way split): weights, gradients, momentum 4W_r each,
+  in bf16 too (--zero-stage 1: momentum 4W_r'/(D x C), W_r' padded as above). Activations one micro-batch's forward
+  saves (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with --sequence-parallel, else 1), per block:
+  none bsh(8/c + 2e + 12e/t) + 16bs/c + X; selective without X; full 4bsh/c, its float32 input. X: (4, in bf16 6)abs^2/t
+  + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t + 4abs/t (the ring's output, lse) at C > 1. Once: 9bs +
+  8s/c on the first stage, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded). 1F1B holds up to min(M, P - s)
+  micro-batches on stage s.
 
 When to choose it: the model outgrows one node, or the sequence one device's memory. Tensor inside a
 node, context next (long sequences), the pipeline across nodes, data parallelism over the replicas
@@ -105,12 +103,11 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "hybrid_parallel"
-# Largest |difference| allowed against single-process training (float32), measured over 30 steps (5 blocks,
-# hidden 32, M = 2): every grid of 1, 2 and 4 ranks of data, tensor and pipeline within 4.8e-7 to 7.2e-7
-# (--tp 4 the most), 2 x 2 x 2 on 8 ranks 5.4e-7; ring attention's merges (16 positions): --cp 4 7.7e-7
-# zigzag, 7.2e-7 contiguous; --cp 2 with --tp 2 7.7e-7 / 1.2e-6, with --pp 2 8.3e-7, with --dp 2 6.6e-7 /
-# 1.2e-6 (zigzag / contiguous); ZeRO-1 --dp 4 7.7e-7, --dp 2 --cp 2 contiguous 8.0e-7. The 2e-5 of
-# tensor_parallel.py and pipeline_parallel.py kept: a 10 x 2e-5 nudge of one weight must show.
+# Largest |difference| allowed against single-process training (float32), measured over 30 steps (5 blocks, hidden 32,
+# M = 2): every grid of 1, 2 and 4 ranks of data, tensor and pipeline within 4.8e-7 to 7.2e-7 (--tp 4 the most), 2 x 2
+# x 2 on 8 ranks 5.4e-7; ring attention's merges (16 positions): --cp 4 7.7e-7 zigzag, 7.2e-7 contiguous; --cp 2 with
+# --tp 2 7.7e-7 / 1.2e-6, with --pp 2 8.3e-7, with --dp 2 6.6e-7 / 1.2e-6 (zigzag / contiguous); ZeRO-1 --dp 4 7.7e-7,
+# --dp 2 --cp 2 contiguous 8.0e-7. The 2e-5 of tensor_parallel.py and pipeline_parallel.py kept: a 10 x 2e-5 nudge shows.
 TOLERANCE = 2e-5
 # bf16, both sides under autocast: PROVISIONAL, to be measured.
 TOLERANCE_BF16 = 2e-2
@@ -165,10 +162,9 @@ CUDA_AWARE = False
 
 
 def mpi_buffer(t, nonblocking=False, send=True):
-    """The buffer to hand MPI for t: t itself, or a pinned host copy (for a receive, an empty one).
-    Open MPI's non-blocking collectives never read GPU memory, CUDA-aware or not: always staged.
-    A receive into t itself waits too: t is fresh from the caching allocator, which hands out
-    memory that kernels still queued may read, and MPI writes outside the stream's order."""
+    """The buffer to hand MPI for t: t itself, or a pinned host copy (for a receive, an empty one). Open MPI's
+    non-blocking collectives never read GPU memory, CUDA-aware or not: always staged. A receive into t itself waits
+    too: t is fresh from the caching allocator, which hands out memory that kernels still queued may read."""
     if not t.is_cuda:
         return t
     if CUDA_AWARE and not nonblocking:
@@ -202,8 +198,7 @@ class f(torch.autograd.Function):
 
 
 class g(torch.autograd.Function):
-    """Allreduce forward, identity backward: sums the partial products of a row-parallel layer
-    (bf16 ones cast up first: MPI cannot sum bf16; the stream stays float32)."""
+    """Allreduce forward, identity backward: sums a row-parallel layer's partial products (in float32: MPI cannot sum bf16)."""
 
     @staticmethod
     def forward(ctx, x, comm):
@@ -378,11 +373,10 @@ class Stage(nn.Module):
             block.ring, block.recompute = ring, recompute
         if last:
             self.norm, self.out = model.norm, ColumnParallelLinear(model.out, comm, padded=padded)
-        # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T
-        # ranks holds S/(C T) positions, so the f and g around them gather and scatter the sequence, and
-        # a parameter held whole on every rank (a LayerNorm, a row-parallel bias, the positions) gets the
-        # gradient of this rank's positions alone: a hook sums it over the T ranks as it is computed
-        # (each micro-batch; Megatron sums these once a step, after the last).
+        # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T ranks holds
+        # S/(C T) positions, so the f and g around them gather and scatter the sequence, and a parameter held whole on
+        # every rank (a LayerNorm, a row-parallel bias, the positions) gets the gradient of this rank's positions
+        # alone: a hook sums it over the T ranks as it is computed (each micro-batch; Megatron sums once a step).
         self.cut = comm.Get_size() if sequence_parallel else 1  # a piece of the sequence per rank
         for layer in self.modules():
             if hasattr(layer, "sequence_parallel"):
@@ -399,9 +393,19 @@ class Stage(nn.Module):
         return self.out(self.norm(x)) if self.last else x
 
 
+def activation_bytes(args, s):
+    """The docstring's activations of one micro-batch on a rank of stage s (9bs, 8s/c: indices, 1-byte masks)."""
+    b, n, h, a, T = args.batch_size // (args.dp * args.micro_batches), args.seq_len // args.cp, args.hidden, args.heads, args.tp
+    e, cut, (lo, hi) = 2 if args.precision == "bf16" else 4, T if args.sequence_parallel else 1, layer_split(args.layers, args.pp)[s]
+    core = (e * b * n * h + 4 * a * b * n) // T if args.cp > 1 else (4 if e == 4 else 6) * a * b * n * n // T + n * n
+    block = (8 * b * n * h + 16 * b * n) // cut + 2 * e * b * n * h + 12 * e * b * n * h // T + core * (args.recompute == "none")
+    block = 4 * b * n * h // cut if args.recompute == "full" else block
+    last = (4 * b * n * h + 8 * b * n) // cut + e * b * n * h + 4 * b * n * padded_vocab(T) // T + 9 * b * n
+    return (hi - lo) * block + (9 * b * n + 8 * n // cut) * (s == 0) + last * (s == args.pp - 1)
+
+
 def layer_split(layers, pp):
-    """Blocks [lo, hi) of each stage, as even as can be; the extra blocks go to the first stages
-    (the last also runs the head and the loss)."""
+    """Blocks [lo, hi) of each stage, as even as can be; the extra ones go to the first (the last runs the head)."""
     sizes = [layers // pp + (s < layers % pp) for s in range(pp)]
     return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
 
@@ -447,12 +451,11 @@ def ring_pass(t, comm):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries (b x heads x S/C x d) over the whole sequence's keys:
-    the K/V blocks go round the ring, C - 1 hops; each block's output is merged into the running one
-    by the softmax's log-sum-exp (out <- out - sigmoid(lse_b - lse)(out - out_b), lse <- lse -
-    logsigmoid(lse - lse_b)). Backward: the K/V blocks go round again, the weights recomputed from
-    the final lse; dQ adds up at home, each block's dK/dV travels with it and comes home after C hops.
-    The hops are blocking Sendrecvs: context_parallel.py shows how to hide them behind a block's work."""
+    """Causal attention of this rank's queries (b x heads x S/C x d) over the whole sequence's keys: the K/V blocks
+    go round the ring, C - 1 hops; each block's output is merged into the running one by the softmax's log-sum-exp
+    (out <- out - sigmoid(lse_b - lse)(out - out_b), lse <- lse - logsigmoid(lse - lse_b)). Backward: the K/V blocks
+    go round again, the weights recomputed from the final lse; dQ adds up at home, each block's dK/dV travels with
+    it and comes home after C hops. Blocking Sendrecvs: context_parallel.py hides them behind a block's work."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring):
@@ -499,8 +502,7 @@ class RingAttention(torch.autograd.Function):
 
 
 class Ring:
-    """What a block's attention needs on this rank: the context-parallel communicator and the plan
-    of its positions against each rank's (shard_positions' rows)."""
+    """A block's attention on this rank: the context-parallel communicator, its positions' plan against each rank's."""
 
     def __init__(self, comm, positions, device):
         self.comm = comm
@@ -540,13 +542,12 @@ def one_f_one_b(pp, m, stage):
 
 
 def dry_run(lists, dp, cp, tp, m):
-    """Execute the lists of every rank of the grid on paper, one slot per forward or backward.
-    A send never blocks (Isend); a receive waits for the send of the rank of equal (dp, cp, tp) one
-    stage away. A forward or backward holds the tensor-parallel allreduces and the ring's hops, so
-    the C x T ranks of equal (pp, dp) run it together, and 'reduce' the D x C ranks of equal (pp, tp):
-    a group waits until every member is at the same action. Raises ScheduleError unless every rank runs each micro-batch's
-    forward and backward once, after its inputs exist, and every message is received. Returns per
-    rank the ideal timeline [(label, start, end)] and the peak count of micro-batches held."""
+    """Execute the lists of every rank of the grid on paper, one slot per forward or backward. A send never blocks
+    (Isend); a receive waits for the send of the rank of equal (dp, cp, tp) one stage away. A forward or backward holds
+    the tensor-parallel allreduces and the ring's hops, so the C x T ranks of equal (pp, dp) run it together, and
+    'reduce' the D x C ranks of equal (pp, tp): a group waits until every member is at the same action. Raises
+    ScheduleError unless every rank runs each micro-batch's forward and backward once, after its inputs exist, and
+    every message is received. Returns per rank the ideal timeline [(label, start, end)] and the peak held."""
     n = len(lists)
     pp = n // (dp * cp * tp)
     pc, clock, sent = [0] * n, [0] * n, {}  # sent: (src, dst, kind, mb) -> slot it was sent at
@@ -755,9 +756,8 @@ class ShardedSGD:
 # The hybrid training step: this rank's list of actions, executed
 # -----------------------------------------------------------------------------
 def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, timeline, precision="fp32"):
-    """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches.
-    Returns on the last stage the replica's loss (the micro-batches' losses, each divided by M,
-    summed), elsewhere 0."""
+    """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches. Returns on the last
+    stage the replica's loss (the micro-batches' losses, each divided by M, summed), elsewhere 0."""
     s, last_stage, bf16 = pp_comm.Get_rank(), pp_comm.Get_size() - 1, precision == "bf16"
     wire = torch.bfloat16 if bf16 else torch.float32  # what crosses a stage boundary, both ways
     xs, ys = x.chunk(m), y.chunk(m)
@@ -876,8 +876,7 @@ def build_model(args):
 
 
 def build_stage(args, axes, device, model=None):
-    """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone,
-    with a ring over the context-parallel ranks when there are several."""
+    """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone, with a ring."""
     s, pp, cp = axes["pipeline"].Get_rank(), axes["pipeline"].Get_size(), axes["context"]
     lo, hi = layer_split(args.layers, pp)[s]
     positions = shard_positions(args.seq_len, cp.Get_size(), args.layout)
@@ -920,9 +919,8 @@ def share_of(x, y, replica, replicas):
 # The run
 # -----------------------------------------------------------------------------
 def train(args, comm, counted, device, stage, optimizer, buckets, actions, timeline, past=()):
-    """This rank's list of `actions` (proven by the dry run), once a step, for the steps after the
-    `past` ones (their losses, from a checkpoint). Returns the global batch's losses of all steps,
-    on every rank, and this rank's timings of the new ones."""
+    """This rank's list of `actions` (proven by the dry run), once a step, for the steps after the `past` ones (their
+    losses, from a checkpoint). Returns the global batch's losses of all steps, on every rank, and its timings."""
     pp_comm, dp_comm, cp_comm, tp_comm = (counted[a] for a in ("pipeline", "data", "context", "tensor"))
     reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
     replica = dp_comm.Get_rank() // cp_comm.Get_size()  # the D x C ranks in order (dp, cp)
@@ -1011,11 +1009,9 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # like is compared with like; the losses, from the uncut model and compared first, show a cut
 # that loses or repeats a part of the model.
 def reference_training(args, device):
-    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear
-    and F.cross_entropy, no MPI."""
+    """The same steps in one plain process: the unsplit GPT on the whole batch at once, no MPI."""
     model = build_model(args).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    losses = []
+    optimizer, losses = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), []
     for step in range(args.steps):
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):  # bf16 against bf16
@@ -1043,35 +1039,20 @@ def check(comm, args, device, losses, stage, counted):
     return comm.allreduce(diff, op=MPI.MAX)
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Entered around one micro-batch's forward: the bytes of the storages autograd saves for its backward,
-    each once, parameters and autocast's bf16 copies of them left out (a copy's grad_fn is ToCopyBackward0,
-    whose next function is the parameter's AccumulateGrad); .bytes: the most of any micro-batch."""
-
+    """Around one micro-batch's forward: the bytes of the storages autograd saves for backward, each once; parameters and
+    autocast's copies of them (grad_fn ToCopyBackward0 after the parameter's AccumulateGrad) left out. .bytes: the most."""
     def __init__(self, stage):
         super().__init__(self.pack, lambda t: t)
         self.parameters, self.storages, self.bytes = {p.untyped_storage().data_ptr() for p in stage.parameters()}, {}, 0
-
     def pack(self, t):
         base = t if t._base is None else t._base  # the tensor a view (a weight's transpose) looks at
         copied = base.grad_fn.next_functions[0][0] if type(base.grad_fn).__name__ == "ToCopyBackward0" else None
         storage = getattr(copied, "variable", t).untyped_storage()  # a parameter's copy counts as the parameter
         self.storages[storage.data_ptr()] = 0 if storage.data_ptr() in self.parameters else storage.nbytes()
         return t
-
     def __exit__(self, *exception):
         super().__exit__(*exception)
         self.bytes, self.storages = max(self.bytes, sum(self.storages.values())), {}
-
-def activation_bytes(args, s):
-    """The docstring's activations of one micro-batch on a rank of stage s, in bytes; beyond its
-    terms: 8-byte token indices, 1-byte masks (the embedding's, the loss's, the causal one)."""
-    b, n, h, a, T = args.batch_size // (args.dp * args.micro_batches), args.seq_len // args.cp, args.hidden, args.heads, args.tp
-    e, cut, (lo, hi) = 2 if args.precision == "bf16" else 4, T if args.sequence_parallel else 1, layer_split(args.layers, args.pp)[s]
-    core = (e * b * n * h + 4 * a * b * n) // T if args.cp > 1 else (4 if e == 4 else 6) * a * b * n * n // T + n * n
-    block = (8 * b * n * h + 16 * b * n) // cut + 2 * e * b * n * h + 12 * e * b * n * h // T + core * (args.recompute == "none")
-    block = 4 * b * n * h // cut if args.recompute == "full" else block
-    last = (4 * b * n * h + 8 * b * n) // cut + e * b * n * h + 4 * b * n * padded_vocab(T) // T + 9 * b * n
-    return (hi - lo) * block + (9 * b * n + 8 * n // cut) * (s == 0) + last * (s == args.pp - 1)
 
 def print_header(comm, args, run, stage, buckets, resumed):
     P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
@@ -1079,15 +1060,11 @@ def print_header(comm, args, run, stage, buckets, resumed):
     where = " ".join(f"{r}:{coordinates(r, D, C, T)}" for r in range(comm.Get_size()))
     stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
                         * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
-    if resumed:
-        print0(comm, f"resumed from {args.save} at step {resumed['step']} "
-                     f"(written by {resumed['world_size']} ranks)")
-    print0(comm, *run.header,
-           f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
-           f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters",
+    print0(comm, *[f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)"] * bool(resumed),
+           *run.header,
+           f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, {sum(p.numel() for p in build_model(args).parameters()):,} parameters",
            f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) {where}",
-           f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, "
-           f"{padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows"
+           f"{stages} | each tensor-parallel rank: {args.heads // T} of {args.heads} heads, {padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows"
            + f", {args.seq_len // (C * T)} positions between its layers (sequence parallelism)" * args.sequence_parallel,
            f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x {args.batch_size // (D * M)} "
            f"sequences of {args.seq_len} characters, each cut over {C} context-parallel ranks ({args.layout}: "
@@ -1117,10 +1094,10 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
     theory, bubble = (P - 1) / (M + P - 1), statistics.mean(waits)
     pipeline = [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
     slots = max(e for row in pipeline for _, _, e in row)
-    variant = {"pipeline": args.sequence_parallel, "data": buckets.zero, "context": False, "tensor": args.sequence_parallel}
-    text = {axis: FORMULA_TEXT[axis, v] for axis, v in variant.items()}
-    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
-             f"{math.log(VOCAB):.4f})",
+    text = {axis: FORMULA_TEXT[axis, v] for axis, v in {"pipeline": args.sequence_parallel, "data": buckets.zero,
+                                                        "context": False, "tensor": args.sequence_parallel}.items()}
+    saved, saved_formula = comm.allgather(stage.meter.bytes), comm.allgather(activation_bytes(args, counted["pipeline"].Get_rank()))
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
              "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
              *draw_timeline(pipeline, slots, len(f"B{M - 1}") + 1),
              f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
@@ -1128,29 +1105,26 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
              "communication per step, summed over the grid, measured | formula:",
              *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
                f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
-               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0)))]
+               for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0))),
+             f"activations one micro-batch's forward saves per rank ({args.precision}, --recompute {args.recompute}), bytes: "
+             f"measured {' '.join(map(str, saved))} | formula {' '.join(map(str, saved_formula))}"]
     return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
-        "comm_bytes_per_step": sum(m[2] for m in measured.values()),
-        "collectives_per_step": sum(m[0] for m in measured.values()),
+        "comm_bytes_per_step": sum(m[2] for m in measured.values()), "collectives_per_step": sum(m[0] for m in measured.values()),
         "grid": {"pp": P, "dp": D, "cp": C, "tp": T}, "layout": args.layout, "zero_stage": args.zero_stage,
         "sequence_parallel": args.sequence_parallel, "micro_batches": M, "layer_split": layer_split(args.layers, P),
-        "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
-        "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()},
-        "messages_per_step": measured["pipeline"][1],
+        "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()}, "messages_per_step": measured["pipeline"][1],
+        "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()}, "activation_bytes_per_rank": saved,
+        "activation_bytes_formula_per_rank": saved_formula,
         "formula_by_axis": {a: dict(zip(("collectives", "messages", "bytes"), v)) for a, v in formula.items()},
         "bubble_fraction": bubble, "bubble_fraction_theory": theory, "bubble_fraction_dry_run": 1 - 2 * M / slots,
         "overlap": overlap_counts(comm, run.timeline.step_events, M, buckets)})
 
 def overlap_counts(comm, events, m, buckets):
-    """The overlaps the lesson claims, in the step of `events` (a rank's timeline), summed over the
-    grid as [n, total]. buckets_posted_before_later_gradients: the data axis's bucket allreduces
-    posted before the last backward computed some later gradient, from GradBuckets' marks as the
-    step ran (a stage's last bucket closes with its last gradient and never counts). A pipeline send is in
-    flight from its Isend until the rank next blocks in a Wait on a send (Test, which never
-    blocks, does not end it); sends_in_flight_during_compute: the sends in whose flight a forward
-    or a backward began, that is, the rank computed instead of waiting. The schedule decides this
-    count, not the library's speed: 1F1B computes after every send but those that follow a
-    stage's last backward, (2M - 1)(P - 1) of the 2M(P - 1) sends of a pipeline."""
+    """The overlaps the lesson claims in the step of `events`, summed over the grid as [n, total]: the bucket allreduces
+    posted before the last backward computed some later gradient (GradBuckets' marks; a stage's last bucket never
+    counts), and the pipeline sends in whose flight (Isend to the next Wait on a send: Test does not end it) a forward
+    or backward began. The schedule decides the latter, not the library: 1F1B computes after every send but those
+    that follow a stage's last backward, (2M - 1)(P - 1) of the 2M(P - 1) sends of a pipeline."""
     compute = [b for name, _, b, _ in events if name in {f"{op}{i}" for op in "FB" for i in range(m)}]
     waits = sorted(b for name, _, b, _ in events if name == "Isend wait") + [math.inf]
     flights = [(b, next(w for w in waits if w >= b)) for name, _, b, _ in events if name == "Isend"]
@@ -1160,11 +1134,9 @@ def overlap_counts(comm, events, m, buckets):
             "sends_in_flight_during_compute": [comm.allreduce(v) for v in sends]}
 
 def per_axis(comm, counted, steps_run):
-    """Per step, summed over every rank, by axis: (collectives, messages, bytes). A collective is
-    counted once per group: its calls summed over the ranks, divided by the group's size."""
-    out = {}
+    """Per step, summed over every rank, by axis: (collectives, messages, bytes); a collective once per group."""
+    out, collectives = {}, ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather")
     for axis, c in counted.items():
-        collectives = ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather")
         calls = comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
         volume = comm.allreduce(sum(c.bytes[name] for name in collectives + ("Isend", "Sendrecv")))
         messages = comm.allreduce(c.calls["Isend"] + c.calls["Sendrecv"])
@@ -1172,10 +1144,9 @@ def per_axis(comm, counted, steps_run):
     return out
 
 def formulas(args, stage_params, stage_buckets, stage_padded):
-    """The docstring's formulas by axis, (collectives, messages, bytes) per step over the grid, from every
-    rank's count of parameters, of gradient buckets, and of their elements padded for ZeRO-1 (stage_*)."""
-    P, D, C, T, M = args.pp, args.dp, args.cp, args.tp, args.micro_batches
-    L, B, S, h = args.layers, args.batch_size, args.seq_len, args.hidden
+    """The docstring's (collectives, messages, bytes) per step over the grid by axis, from every rank's count (stage_*)
+    of parameters, of gradient buckets, and of their elements padded for ZeRO-1."""
+    (P, D, C, T, M), (L, B, S, h) = (args.pp, args.dp, args.cp, args.tp, args.micro_batches), (args.layers, args.batch_size, args.seq_len, args.hidden)
     activation, replicated, zero = 4 * B * S * h, S * h + 6 * L * h + 2 * h, args.zero_stage == 1 and D * C > 1
     e, R, F_ = 2 if args.precision == "bf16" else 4, args.recompute != "none", 2 * L * (args.recompute == "full")
     moved = e * B * S * h  # an activation as it moves: bf16 in bf16 runs; every sum float32
@@ -1193,13 +1164,8 @@ def formulas(args, stage_params, stage_buckets, stage_padded):
 
 def draw_timeline(rows, slots, width):
     """One line per stage, one cell per slot of the dry run: the action in it, or '.' (idle)."""
-    lines = []
-    for s, spans in enumerate(rows):
-        cells = ["."] * slots
-        for name, start, _ in spans:
-            cells[start] = name
-        lines.append(f"stage {s} | " + "".join(c.ljust(width) for c in cells).rstrip())
-    return lines
+    cells = [{start: name for name, start, _ in spans} for spans in rows]
+    return [f"stage {s} | " + "".join(row.get(i, ".").ljust(width) for i in range(slots)).rstrip() for s, row in enumerate(cells)]
 
 def parse_args(argv, world_size):
     p = common_arguments("Hybrid (pipeline x data x context x tensor) parallelism over MPI: a small GPT on "
