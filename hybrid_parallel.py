@@ -109,8 +109,10 @@ STRATEGY = "hybrid_parallel"
 # --tp 2 7.7e-7 / 1.2e-6, with --pp 2 8.3e-7, with --dp 2 6.6e-7 / 1.2e-6 (zigzag / contiguous); ZeRO-1 --dp 4 7.7e-7,
 # --dp 2 --cp 2 contiguous 8.0e-7. The 2e-5 of tensor_parallel.py and pipeline_parallel.py kept: a 10 x 2e-5 nudge shows.
 TOLERANCE = 2e-5
-# bf16, both sides under autocast: PROVISIONAL, to be measured.
-TOLERANCE_BF16 = 2e-2
+# bf16, both sides under autocast: the tests' runs (3 steps, every grid of 1, 2 and 4 ranks, sequence-parallel, contiguous,
+# ZeRO-1) 5.5e-4 to 1.3e-3; the default model's 40 steps: --tp 2 3.2e-2, --pp 2 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp 2
+# 4.6e-2 (the grids with a pipeline the most). Gradients divided once more by N: 0.16 in the tests' 3 steps.
+TOLERANCE_BF16 = 1e-1
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
@@ -1060,7 +1062,7 @@ def print_header(comm, args, run, stage, buckets, resumed):
     where = " ".join(f"{r}:{coordinates(r, D, C, T)}" for r in range(comm.Get_size()))
     stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
                         * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
-    print0(comm, *[f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)"] * bool(resumed),
+    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)"] if resumed else []),
            *run.header,
            f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, {sum(p.numel() for p in build_model(args).parameters()):,} parameters",
            f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) {where}",
@@ -1148,13 +1150,13 @@ def formulas(args, stage_params, stage_buckets, stage_padded):
     of parameters, of gradient buckets, and of their elements padded for ZeRO-1."""
     (P, D, C, T, M), (L, B, S, h) = (args.pp, args.dp, args.cp, args.tp, args.micro_batches), (args.layers, args.batch_size, args.seq_len, args.hidden)
     activation, replicated, zero = 4 * B * S * h, S * h + 6 * L * h + 2 * h, args.zero_stage == 1 and D * C > 1
-    e, R, F_ = 2 if args.precision == "bf16" else 4, args.recompute != "none", 2 * L * (args.recompute == "full")
+    e, R, again = 2 if args.precision == "bf16" else 4, args.recompute != "none", 2 * L * (args.recompute == "full")  # F
     moved = e * B * S * h  # an activation as it moves: bf16 in bf16 runs; every sum float32
     W = 2 * padded_vocab(T) * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + (T - 1) * replicated
     assert sum(stage_params) == D * C * W  # what the ranks hold, added up
-    tensor = (D * C * M * (14 * L + 10 + 2 * F_), 0, (4 * L + 2 + F_) * T * activation + (4 * L + 1 + F_) * moved
+    tensor = (D * C * M * (14 * L + 10 + 2 * again), 0, (4 * L + 2 + again) * T * activation + (4 * L + 1 + again) * moved
               + activation + 12 * B * S * T + M * D * C * T * 4 * replicated) if args.sequence_parallel else \
-        (D * C * M * (4 * L + 5 + F_) * (T > 1), 0, T * ((4 * L + 2 + F_) * activation + 3 * 4 * B * S) * (T > 1))
+        (D * C * M * (4 * L + 5 + again) * (T > 1), 0, T * ((4 * L + 2 + again) * activation + 3 * 4 * B * S) * (T > 1))
     return {"pipeline": (0, 2 * M * (P - 1) * D * C * T, 2 * (P - 1) * (1 if args.sequence_parallel else T) * moved),
             "data": ((sum(stage_buckets) // (D * C) * (D * C > 1), 0, D * C * 4 * W * (D * C > 1)) if not zero else
                      (2 * sum(stage_buckets) // (D * C), 0, 4 * sum(stage_padded) + 4 * sum(stage_padded) // (D * C))),
