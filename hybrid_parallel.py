@@ -1104,7 +1104,8 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
              *draw_timeline(pipeline, slots, len(f"B{M - 1}") + 1),
              f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
              f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
-             "communication per step, summed over the grid, measured | formula:",
+             f"communication per step, summed over the grid, measured | formula (e = {2 if args.precision == 'bf16' else 4}, "
+             f"R = {int(args.recompute != 'none')}, F = {2 * args.layers * (args.recompute == 'full')}):",
              *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
                f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,}"
                for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0))),
