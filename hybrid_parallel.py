@@ -33,10 +33,9 @@ allreduce averages over all of them (Megatron's data-parallel group with context
   [ a | b ]: a tensor-parallel group (0-1, 2-3, ...); ring: the context-parallel ranks of equal
   (pp, dp, tp) (0-2, 1-3, ...); ==>: point-to-point between the ranks of equal (dp, cp, tp) (0-8, ...).
 
-Communication per step, summed over every rank of the grid (L blocks, B sequences of S characters,
-hidden size h, M micro-batches, A = 4BSh the bytes of one float32 activation of the whole batch, e = 4
-bytes an element moved, 2 in bf16; F = 2L with --recompute full, else 0; R = 1 with selective or full;
-an axis of size 1 moves nothing):
+Communication per step, summed over every rank of the grid (L blocks, B sequences of S characters, hidden size h,
+M micro-batches, A = 4BSh the bytes of one float32 activation of the whole batch, e = 4 bytes an element moved, 2 in
+bf16; F = 2L with --recompute full, else 0; R = 1 with selective or full; an axis of size 1 moves nothing):
   pipeline: 2M(P - 1) x D x C x T messages, 2(P - 1) x T x eBSh bytes: each of a stage's T ranks sends
             its own copy of its positions' activation to its peer in the next stage.
   data:     one allreduce per bucket (--bucket-mb) in each of the P x T groups of equal (pp, tp);
@@ -58,34 +57,30 @@ an axis of size 1 moves nothing):
             bucket (still posted in backward) and an Allgather of the updated parameters after the step:
             2 collectives per bucket, 4W' x (D x C + 1) bytes, W' = W with each bucket padded to a multiple
             of D x C; rank r of the D x C steps only slice r of each bucket, and keeps its momentum alone.
-Mixed precision (--precision bf16): forward and loss under torch.autocast(bfloat16), on the ranks and in --check's
-one process. A matmul multiplies bf16 copies of the float32 parameters (the master weights; autograd keeps the
-copies); gradients land, add up over micro-batches and are reduced in float32 (Megatron's default: bf16 would
-halve the data axis's bytes and the gradients' memory, but round small terms away as they add up, and MPI cannot
-sum bf16), as SGD's momentum. Float32: the residual stream (so LayerNorm's statistics), softmax, the ring's scores,
-lse and merge, the loss's max, target logit and sum of exponentials, every sum handed to MPI (g and reduce-scatters
-cast bf16 partial products up). What only moves is bf16 (half the bytes): the pipeline's activations and gradients
-(cast down to send, up on arrival; Megatron sends bf16), K/V round the ring, the sequence-parallel all-gathers.
+Mixed precision (--precision bf16): forward and loss under torch.autocast(bfloat16), on the ranks and in --check's one
+process. A matmul multiplies bf16 copies of the float32 parameters (the master weights; autograd keeps the copies);
+gradients land, add up over micro-batches and are reduced in float32 (Megatron's default: bf16 would halve the data
+axis's bytes and the gradients' memory, but round small terms away as they add up, and MPI cannot sum bf16), as SGD's
+momentum. Float32: the residual stream (so LayerNorm's statistics), softmax, the ring's scores, lse and merge, the
+loss's max, target logit and sum of exponentials, every sum handed to MPI (g and reduce-scatters cast bf16 partial
+products up). What only moves is bf16 (half the bytes): the pipeline's activations and gradients (cast down to send,
+up on arrival; Megatron sends bf16), K/V round the ring, the sequence-parallel all-gathers.
 Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by
-save_for_backward, where the saved-tensor hooks that measure activations see them (the non-reentrant form hides
-them), runs fn without autograd and again in backward under the forward's autocast. full: each block from its
-input alone, its g (all-gathers, reduce-scatters) and ring hops again (F, R). selective: attention's core (scores,
-mask, softmax, x V), q, k, v kept (Korthikanti et al. 2022); the ring keeps no weights (its backward recomputes them
-from lse, as FlashAttention), so at C > 1 selective drops only its output and lse, for its forward hops again (R).
+save_for_backward, where the saved-tensor hooks that count activations see them (the non-reentrant form hides them),
+runs fn without autograd and again in backward under the forward's autocast. full: each block from its input alone,
+its g and ring hops again (F, R). selective: attention's core (scores, mask, softmax, x V), q, k, v kept (Korthikanti
+et al.); at C > 1 the ring keeps no weights (recomputed from lse): selective drops its output and lse, for hops (R).
 Memory per rank, W_r its stage's parameters (its share of the T-way split): weights, gradients, momentum 4W_r each,
   in bf16 too (--zero-stage 1: momentum 4W_r'/(D x C), W_r' padded as above). Activations one micro-batch's forward
   saves (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with --sequence-parallel, else 1), per block:
   none bsh(8/c + 2e + 12e/t) + 16bs/c + X; selective without X; full 4bsh/c, its float32 input. X: (4, in bf16 6)abs^2/t
-  + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t + 4abs/t (the ring's output, lse) at C > 1. Once: 9bs +
-  8s/c on the first stage, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded). 1F1B holds up to min(M, P - s)
-  micro-batches on stage s.
+  + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t + 4abs/t (the ring's output, lse) at C > 1. Once: 9bs + 8s/c
+  on the first stage, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded). 1F1B holds min(M, P - s) on stage s.
 
-When to choose it: the model outgrows one node, or the sequence one device's memory. Tensor inside a
-node, context next (long sequences), the pipeline across nodes, data parallelism over the replicas
-the devices leave; more micro-batches shrink the bubble.
+When to choose it: the model outgrows one node, or the sequence one device's memory. Tensor inside a node, context
+next (long sequences), the pipeline across nodes, data parallelism over the replicas left; more micro-batches, less bubble.
 
-The network: the GPT of tensor_parallel.py and pipeline_parallel.py, on the source of Python's own
-argparse.py, textwrap.py and shlex.py.
+The network: the GPT of tensor_parallel.py and pipeline_parallel.py, on Python's own argparse.py, textwrap.py, shlex.py.
 
 Run:  mpirun -np 16 python hybrid_parallel.py --pp 2 --dp 2 --cp 2 --tp 2     (add --help for the flags)
 """
@@ -103,11 +98,10 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "hybrid_parallel"
-# Largest |difference| allowed against single-process training (float32), measured over 30 steps (5 blocks, hidden 32,
-# M = 2): every grid of 1, 2 and 4 ranks of data, tensor and pipeline within 4.8e-7 to 7.2e-7 (--tp 4 the most), 2 x 2
-# x 2 on 8 ranks 5.4e-7; ring attention's merges (16 positions): --cp 4 7.7e-7 zigzag, 7.2e-7 contiguous; --cp 2 with
-# --tp 2 7.7e-7 / 1.2e-6, with --pp 2 8.3e-7, with --dp 2 6.6e-7 / 1.2e-6 (zigzag / contiguous); ZeRO-1 --dp 4 7.7e-7,
-# --dp 2 --cp 2 contiguous 8.0e-7. The 2e-5 of tensor_parallel.py and pipeline_parallel.py kept: a 10 x 2e-5 nudge shows.
+# Largest |difference| allowed against single-process training (float32), over 30 steps (5 blocks, hidden 32, M = 2):
+# every grid of 1, 2, 4 ranks of data, tensor, pipeline 4.8e-7 to 7.2e-7 (--tp 4 the most), 2 x 2 x 2 on 8 ranks 5.4e-7;
+# the ring (16 positions, zigzag / contiguous): --cp 4 7.7e-7 / 7.2e-7, --cp 2 with --tp 2 7.7e-7 / 1.2e-6, --pp 2 8.3e-7,
+# --dp 2 6.6e-7 / 1.2e-6; ZeRO-1 --dp 4 7.7e-7, --dp 2 --cp 2 contiguous 8.0e-7. tensor's and pipeline's 2e-5 kept.
 TOLERANCE = 2e-5
 # bf16, both sides under autocast: the tests' runs (3 steps, every grid of 1, 2 and 4 ranks, sequence-parallel, contiguous,
 # ZeRO-1) 5.5e-4 to 1.3e-3; the default model's 40 steps: --tp 2 3.2e-2, --pp 2 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp 2

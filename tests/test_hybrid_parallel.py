@@ -387,7 +387,7 @@ def test_the_overlap_counts_fall_when_the_overlap_is_removed():
     no bucket is posted before a later gradient and no send stays in flight while the rank computes."""
     with sub_comm(4) as comm:
         if comm is not None:
-            _, diff, *_, overlap, _, buckets, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
+            _, diff, *_, overlap, _, buckets, _, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
                                                         remove_overlap=True)
             assert max_everywhere(diff, comm) <= hp.TOLERANCE
             promised = promised_overlap(2, 2, 1, 1, 2, buckets)
