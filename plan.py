@@ -642,13 +642,10 @@ def print_plans(args, m, hw, plans, efficiency):
           f"--distribution=block:block")
     missing = [what for what, on in (("mixture of experts", m.experts > 1), (f"ZeRO stage {g['zero']}", g["zero"] > 1),
                                      (f"the {g['schedule']} schedule", g["pp"] > 1 and g["schedule"] != "1f1b")) if on]
-    # hybrid_parallel.py refuses --precision bf16 and --recompute for now: the line leaves them out
-    missing += [what for what, on in (("bf16", args.precision == "bf16"),
-                                      (f"--recompute {args.recompute}", args.recompute != "none")) if on]
     print(f"  srun python hybrid_parallel.py --pp {g['pp']} --dp {g['dp']} --tp {g['tp']} --micro-batches {g['micro']} "
           f"--layers {m.layers} --hidden {m.hidden} --heads {m.heads} --seq-len {m.seq_len} --batch-size {args.batch_size} "
           + (f"--cp {g['cp']} " if g["cp"] > 1 else "") + ("--zero-stage 1 " if g["zero"] == 1 else "")
-          + ("--sequence-parallel " if g["sp"] else "") + "--no-check")
+          + ("--sequence-parallel " if g["sp"] else "") + f"--precision {args.precision} --recompute {args.recompute} --no-check")
     if missing:
         print(f"  (hybrid_parallel.py does not offer {', '.join(missing)} yet: this line trains without it, "
               f"while the plan's figures assume it)")

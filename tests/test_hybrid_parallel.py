@@ -118,11 +118,9 @@ def test_dry_run_rejects_a_broken_grid(kind):
     (["--cp", "3", "--seq-len", "9"], 3, ["--seq-len 9 does not split into the 6 chunks of --cp 3 --layout zigzag",
                                           "--pp 3 --dp 1 --cp 1 --tp 1"]),
     (["--cp", "4", "--seq-len", "6", "--layout", "contiguous"], 4, ["does not split into the 4 chunks of --cp 4"]),
-    (["--precision", "bf16"], 1, ["offers neither bf16 nor recomputation yet"]),
     (["--sequence-parallel"], 1, ["--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2"]),
     (["--sequence-parallel", "--tp", "2", "--cp", "2", "--seq-len", "12"], 4,
      ["--seq-len 12 does not split into the 4 chunks of --cp 2 --layout zigzag x the 2 pieces of --sequence-parallel"]),
-    (["--recompute", "full"], 1, ["offers neither bf16 nor recomputation yet"]),
     (["--batch-size", "6", "--dp", "2", "--micro-batches", "2"], 2, ["--batch-size 6", "--micro-batches 1, 3,",
                                                                       "multiple of 4"]),
     (["--tp", "0"], 1, ["--tp must be a positive integer"]),
@@ -131,6 +129,8 @@ def test_dry_run_rejects_a_broken_grid(kind):
      ["--ep 4 must divide both the D x C = 4 data- and context-parallel ranks of a stage and --experts 6; use --ep 1 or 2"]),
     (["--dp", "4", "--experts", "4", "--ep", "3"], 4, ["--ep 3 must divide both the D x C = 4", "use --ep 1 or 2 or 4"]),
     (["--experts", "2", "--top-k", "2"], 1, ["--top-k 2 of --experts 2 leaves the router no choice; use --experts 3 or more"]),
+    (["--experts", "4", "--precision", "bf16"], 1, ["--experts with --precision bf16 or --recompute is not offered yet"]),
+    (["--experts", "4", "--recompute", "selective"], 1, ["--experts with --precision bf16 or --recompute is not offered yet"]),
 ])
 def test_bad_grids_are_rejected_with_what_would_work(argv, world_size, words):
     with pytest.raises(hp.ConfigError) as error:
@@ -193,11 +193,12 @@ def start_buckets_after_backward(buckets):
     buckets.start, buckets.finish = (lambda: None), late_finish
 
 
-def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False, plant=None):
-    """The pieces main() uses, without the report: (losses, max |diff| from the check, measured
-    and formula counts per axis, the communicators' members as world ranks, the overlap counts of
-    the last step, the Tests each send got, every rank's count of buckets exchanged, the optimizer,
-    the (token, choice) pairs dropped on all ranks and the smallest top-k gap of the router's probabilities)."""
+def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False, plant=None, check=True):
+    """The pieces main() uses, without the report: (losses, max |diff| from the check (None without),
+    measured and formula counts per axis, the communicators' members as world ranks, the overlap counts
+    of the last step, the Tests each send got, every rank's count of buckets exchanged, the optimizer,
+    the (token, choice) pairs dropped on all ranks and the smallest top-k gap of the router's probabilities,
+    the stage)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
     args = hp.parse_args(TINY + ["--pp", str(pp), "--dp", str(dp), "--cp", str(cp), "--tp", str(tp), *extra],
                          comm.Get_size())
@@ -219,9 +220,9 @@ def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False, plant=None):
     gap = comm.allreduce(min([b.mlp.gap for b in stage.blocks if args.experts], default=float("inf")), op=hp.MPI.MIN)
     formula = hp.formulas(args, comm, stage, buckets, hp.fractions.Fraction(dropped, args.steps))
     members = {axis: c.comm.allgather(world().Get_rank()) for axis, c in counted.items()}
-    diff = hp.check(comm, args, CPU, losses, stage, counted)
+    diff = hp.check(comm, args, CPU, losses, stage, counted) if check else None
     return losses, diff, measured, formula, members, overlap, [r.tests for r in sends], \
-        comm.allgather(sum(c.Get_size() > 1 for c in buckets.comms)), optimizer, (dropped, gap)
+        comm.allgather(sum(c.Get_size() > 1 for c in buckets.comms)), optimizer, (dropped, gap), stage
 
 
 def promised_overlap(pp, dp, cp, tp, m, buckets):
@@ -235,8 +236,9 @@ def promised_overlap(pp, dp, cp, tp, m, buckets):
 
 
 def assert_trains_like_one_process(comm, pp, dp, cp, tp, extra=()):
-    losses, diff, measured, formula, members, overlap, tests, buckets, _, dropped = train_on(comm, pp, dp, cp, tp, extra)
-    assert max_everywhere(diff, comm) <= hp.TOLERANCE, (pp, dp, cp, tp, diff)
+    losses, diff, measured, formula, members, overlap, tests, buckets, _, dropped, _ = train_on(comm, pp, dp, cp, tp, extra)
+    limit = hp.TOLERANCE_BF16 if "bf16" in extra else hp.TOLERANCE
+    assert max_everywhere(diff, comm) <= limit, (pp, dp, cp, tp, diff)
     assert agree(losses[-1] < losses[0], comm)
     exact = all(measured[a] == formula[a] for a in measured)
     assert agree(exact and measured.keys() == formula.keys(), comm), (measured, formula)
@@ -292,7 +294,7 @@ def test_zero_1_trains_like_one_process_with_a_slice_of_the_momentum_on_each_ran
     with sub_comm(4) as comm:
         if comm is not None:
             assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--zero-stage", "1", *extra])
-            *_, optimizer, _ = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
+            *_, optimizer, _, _ = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
             kept = sum(s["momentum_buffer"].numel() for s in optimizer.state_dict()["state"].values())
             assert agree(kept == sum(optimizer.buckets.padded) // (dp * cp), comm)
 
@@ -370,6 +372,63 @@ def test_an_expert_gradient_divided_by_its_holders_fails_the_check():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(2, 1, 1, 2, ["--sequence-parallel"]), (1, 2, 2, 1, [])])
+def test_bf16_trains_like_one_process_in_bf16_and_moves_half_the_bytes_of_what_only_moves(pp, dp, cp, tp, extra):
+    """--precision bf16 against one process in bf16 within TOLERANCE_BF16; every axis's bytes equal the
+    formula in bf16: pipeline messages, ring K/V and sequence-parallel all-gathers in bf16, sums in float32."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            losses, measured, _ = assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--precision", "bf16", *extra])
+            plain = train_on(comm, pp, dp, cp, tp, extra, check=False)[2]
+            moves = "pipeline" if pp > 1 else "context"  # pipeline: all bf16; context: K/V bf16, dK/dV float32
+            assert agree(0 < measured[moves][2] < plain[moves][2] and measured["data"][2] == plain["data"][2], comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(1, 1, 2, 2, ["--sequence-parallel"]), (2, 1, 2, 1, ["--precision", "bf16"])])
+def test_recomputation_keeps_what_the_formula_says_with_the_same_losses(pp, dp, cp, tp, extra):
+    """--recompute none, selective, full: the bytes one micro-batch's forward saved for backward (saved-tensor hooks,
+    autocast's parameter copies left out) equal the docstring's formula on every rank, full < selective < none; the
+    losses equal those without recomputation (bitwise in fp32); every axis's exchanges equal the formula, full's with
+    the blocks' g (all-gathers, reduce-scatters) and ring hops again in backward, selective's with the ring's hops."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            runs = {}
+            for mode in ("none", "selective", "full"):
+                losses, _, measured, formula, *_, stage = train_on(comm, pp, dp, cp, tp, [*extra, "--recompute", mode,
+                                                                                          "--steps", "2"], check=False)
+                args = hp.parse_args(TINY + ["--pp", str(pp), "--cp", str(cp), "--tp", str(tp), *extra, "--recompute", mode], 4)
+                runs[mode] = (losses, stage.meter.bytes, measured)
+                assert agree(stage.meter.bytes == hp.activation_bytes(args, hp.coordinates(comm.Get_rank(), dp, cp, tp)[0]), comm)
+                assert agree(measured == formula, comm), (mode, measured, formula)
+            (none, n, plain), (selective, s, again), (full, f, twice) = runs["none"], runs["selective"], runs["full"]
+            assert agree(f < s < n, comm), (f, s, n)
+            assert agree(none == selective == full if "bf16" not in extra else
+                         max(abs(a - b) for a, b in zip(none + none, selective + full)) <= hp.TOLERANCE_BF16, comm)
+            assert agree(again["context"][1] > plain["context"][1] and twice["context"][1] == again["context"][1], comm)
+            if tp > 1:  # only full runs the blocks' tensor-parallel exchanges again
+                assert agree(again["tensor"] == plain["tensor"] and twice["tensor"][0] > plain["tensor"][0], comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gradients_divided_once_more_by_n_fail_the_check(precision, monkeypatch):
+    """Negative control for the data axis: the averaged gradients planted to be divided by N = D x C once more.
+    At N = 2 the check must report more than the precision's tolerance."""
+    real = hp.GradBuckets.finish
+
+    def finish_and_divide(buckets):
+        real(buckets)
+        for p in buckets.bucket_of:
+            p.grad /= buckets.shares
+    monkeypatch.setattr(hp.GradBuckets, "finish", finish_and_divide)
+    with sub_comm(2) as comm:
+        if comm is not None:
+            diff = train_on(comm, 1, 2, 1, 1, ["--precision", precision])[1]
+            assert max_everywhere(diff, comm) > (hp.TOLERANCE_BF16 if precision == "bf16" else hp.TOLERANCE), diff
+
+
+@pytest.mark.mpi
 def test_small_buckets_give_one_allreduce_per_bucket():
     with sub_comm(4) as comm:
         if comm is not None:  # 2 KB buckets: several per rank, each one allreduce, all but the last posted before a later gradient
@@ -382,7 +441,7 @@ def test_the_overlap_counts_fall_when_the_overlap_is_removed():
     no bucket is posted before a later gradient and no send stays in flight while the rank computes."""
     with sub_comm(4) as comm:
         if comm is not None:
-            _, diff, *_, overlap, _, buckets, _, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
+            _, diff, *_, overlap, _, buckets, _, _, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
                                                         remove_overlap=True)
             assert max_everywhere(diff, comm) <= hp.TOLERANCE
             promised = promised_overlap(2, 2, 1, 1, 2, buckets)
@@ -501,10 +560,13 @@ def test_resume_is_bit_exact_on_the_same_grid_and_refused_on_another(tmp_path):
 
 
 @pytest.mark.e2e
-def test_negative_control_a_nudged_weight_fails_the_check():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_negative_control_a_nudged_weight_fails_the_check(precision):
     """The flags of the in-process run at --pp 2, which passes, with the first parameter of each
-    rank's stage moved by 10 x the tolerance before the last of its 3 steps (FAIL_AT=*:2:nudge,
-    tests/inject.py): the check must fail."""
-    out = launch("hybrid_parallel.py", 2, *TINY, "--pp", 2, "--json", env=clean_env(FAIL_AT="*:2:nudge"))
+    rank's stage moved by 10 x the precision's tolerance before the last of its 3 steps
+    (FAIL_AT=*:2:nudge, tests/inject.py): the check must fail."""
+    out = launch("hybrid_parallel.py", 2, *TINY, "--pp", 2, "--precision", precision, "--json",
+                 env=clean_env(FAIL_AT="*:2:nudge"))
     assert out.returncode == 1 and "-> FAIL" in out.stdout, out.stdout + out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1])["check_max_abs_diff"] > hp.TOLERANCE
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run["precision"] == precision and run["check_max_abs_diff"] > (hp.TOLERANCE_BF16 if precision == "bf16" else hp.TOLERANCE)
