@@ -56,13 +56,15 @@ PRESENT = [s for s in ("data_parallel.py", "tensor_parallel.py", "pipeline_paral
                        "expert_parallel.py") if (ROOT / s).exists()]
 
 
+UNWRITABLE = [("--save", "/proc/nope", "cannot write /proc/nope"),
+              ("--save", "README.md", "cannot write README.md: a file, not a folder"),
+              ("--trace", "/nonexistent/dir/t.json", "cannot write /nonexistent/dir/t.json")]
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("script", [s for s in PRESENT if s != "data_parallel.py"])  # its rows: the README's
-@pytest.mark.parametrize("flag, path, words", [
-    ("--save", "/proc/nope", "cannot write /proc/nope"),
-    ("--save", "README.md", "cannot write README.md: a file, not a folder"),
-    ("--trace", "/nonexistent/dir/t.json", "cannot write /nonexistent/dir/t.json"),
-])
+@pytest.mark.parametrize("script, flag, path, words", [  # data_parallel.py's rows: the README's
+    (script, *UNWRITABLE[i % len(UNWRITABLE)]) for i, script in enumerate(s for s in PRESENT if s != "data_parallel.py")])
 def test_a_path_that_cannot_be_written_is_refused_before_training(script, flag, path, words):
-    """Every file, before it builds anything: one line, exit 2, no step printed."""
+    """Every file, before it builds anything: one line, exit 2, no step printed. The paths are
+    checked by the shared machinery, alike in every file: each file meets one of them in turn."""
     assert_refused(launch(script, 2, flag, path, "--steps", 100_000), words)
