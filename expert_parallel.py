@@ -80,10 +80,12 @@ import decimal
 import errno
 import fractions
 import hashlib
+import io
 import importlib.util
 import json
 import math
 import os
+import pickle
 import shutil
 import signal
 import statistics
@@ -877,30 +879,42 @@ def fsync_folder(path):  # the names a folder holds, made durable as its files' 
     os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard (None: nothing) goes into root/.tmp-step-N, then rank 0 writes the manifest
-    and renames the folder to step-N (files and folder fsynced before, the parent after): a job
-    killed before the rename leaves the previous checkpoint as it was. A write that fails on any
-    rank (a full disk) ends the job on every rank with one line, the previous checkpoint whole."""
+    """Each rank's shard, (pieces, state) from make_shard, goes into root/.tmp-step-N: pieces maps a
+    name to (tensor, the whole's shape, where the tensor starts in it), see piece(); state (small,
+    JSON) is kept from the first rank that gives one. Rank 0 then writes the manifest, the index of
+    which file holds which region of which tensor, and renames the folder to step-N (files and
+    folder fsynced before, the parent after): a job killed before the rename leaves the previous
+    checkpoint as it was. A region that an earlier file holds already (a replicated parameter) is
+    left out of the index. A write that fails on any rank (a full disk) ends the job on every rank
+    with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
+    pieces, state = shard
     files, error = {}, None
     if comm.Get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     comm.Barrier()
     try:
         os.makedirs(tmp, exist_ok=True)
-        if shard is not None:
+        if pieces:
             name = f"rank-{comm.Get_rank()}.pt"
-            files[name] = write_durably(os.path.join(tmp, name), lambda stream: torch.save(shard, stream))
+            tensors = {key: tensor for key, (tensor, _, _) in pieces.items()}
+            files[name] = {"sha256": write_durably(os.path.join(tmp, name), lambda stream: torch.save(tensors, stream)),
+                           "pieces": {key: [shape, offset, list(t.shape)] for key, (t, shape, offset) in pieces.items()}}
             fsync_folder(tmp)  # this rank's file's name, from this node
     except OSError as e:
         error = f"rank {comm.Get_rank()}: {e}"
-    gathered = comm.gather((files, error), root=0)
+    gathered = comm.gather((files, error, state), root=0)
     if comm.Get_rank() == 0:
-        error = next((e for _, e in gathered if e), None)
+        error = next((e for _, e, _ in gathered if e), None)
         try:
             if error is None:
-                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config,
-                            "step": step, "files": {k: v for f, _ in gathered for k, v in f.items()}}
+                indexed, seen = {}, set()
+                for name, entry in (item for f, _, _ in gathered for item in f.items()):
+                    fresh = {k: p for k, p in entry["pieces"].items() if (k, json.dumps(p)) not in seen}
+                    seen |= {(k, json.dumps(p)) for k, p in fresh.items()}
+                    indexed[name] = {"sha256": entry["sha256"], "pieces": fresh}
+                manifest = {"strategy": STRATEGY, "world_size": comm.Get_size(), "config": config, "step": step,
+                            "state": next((s for _, _, s in gathered if s is not None), None), "files": indexed}
                 write_durably(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1).encode())
                 fsync_folder(tmp)
                 shutil.rmtree(final, ignore_errors=True)
@@ -921,44 +935,121 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
         raise ConfigError(f"the checkpoint of step {step} could not be written ({error}); the previous "
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
-def load_checkpoint(comm, root, config, shard_name, steps, same_world_size=True):
-    """The newest checkpoint that is whole on every rank: its manifest and the shard this rank
-    needs, verified; (None, None) when root holds none yet (a batch job's first run). A damaged
-    or incomplete one (a node lost while saving) gives way to the one before, and rank 0 says
-    which and why; one that does not fit this run is a ConfigError on every rank."""
+def piece(tensor, shape=None, offset=None):
+    """A tensor as a checkpoint holds it: a CPU copy (a view would save its whole storage), the
+    shape of the whole it is a block of, and the index where it starts in each dimension."""
+    copy = tensor.detach().cpu().clone()
+    return copy, list(shape or copy.shape), list(offset or [0] * copy.dim())
+
+def region(shape, offset=None, size=None):
+    """A block a rank will hold, to ask load_checkpoint for: the whole's shape, start and size."""
+    return list(shape), list(offset or [0] * len(shape)), list(size or shape)
+
+def overlap(a, b):
+    """The block that two blocks (offset, size) of one tensor share, as (offset, size); None if none."""
+    low = [max(i, j) for i, j in zip(a[0], b[0])]
+    high = [min(i + m, j + n) for i, m, j, n in zip(a[0], a[1], b[0], b[1])]
+    return None if any(lo >= hi for lo, hi in zip(low, high)) else (low, [hi - lo for lo, hi in zip(low, high)])
+
+def within(block, start):  # the index of a block of the whole inside a tensor that starts at `start`
+    return tuple(slice(lo - s, lo - s + n) for lo, n, s in zip(*block, start))
+
+def read_files(comm, path, manifest, names):
+    """Each file this rank needs, read once and hashed as read; a file that every rank needs is read
+    by rank 0 alone and broadcast. Collective, and it never raises between its collectives: returns
+    ({name: {key: tensor}}, None), or (what was read, why a file is damaged)."""
+    needs, tensors, damage = comm.allgather(sorted(names)), {}, None
+    everyone = set.intersection(*map(set, needs)) if comm.Get_size() > 1 else set()
+    for name in sorted(set().union(*map(set, needs))):
+        data = None
+        if name in names and (name not in everyone or comm.Get_rank() == 0):
+            with contextlib.suppress(OSError), open(os.path.join(path, name), "rb") as stream:
+                data = stream.read()
+        if name in everyone:  # the size first (-1: unreadable on rank 0), then the bytes
+            size = comm.bcast(-1 if data is None else len(data), root=0)
+            buffer = bytearray(data if data is not None else max(size, 0))
+            comm.Bcast([buffer, MPI.BYTE], root=0)
+            data = None if size < 0 else bytes(buffer)
+        if name not in names or damage:
+            continue
+        try:
+            if data is None:
+                raise OSError(f"{name} is missing or unreadable")
+            if hashlib.sha256(data).hexdigest() != manifest["files"][name]["sha256"]:
+                raise ValueError(f"{name}'s SHA-256 differs from the manifest's")
+            tensors[name] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            damage = f"{type(e).__name__}: {e}"
+    return tensors, damage
+
+def assemble(manifest, wanted, tensors):
+    """The blocks this rank asked for, cut from the pieces that overlap them; a block the checkpoint
+    does not wholly cover, or a tensor of another shape, is a ConfigError."""
+    out = {}
+    for key, (shape, offset, size) in wanted.items():
+        out[key], filled = None, 0
+        for name, entry in manifest["files"].items():
+            whole, start, extent = entry["pieces"].get(key, (shape, None, None))
+            if whole != shape:
+                raise ConfigError(f"the checkpoint holds {key} of shape {whole}, this run's is {shape}")
+            if start is None or (block := overlap((offset, size), (start, extent))) is None:
+                continue
+            source = tensors[name][key]
+            if out[key] is None:
+                out[key] = torch.empty(size, dtype=source.dtype)
+            out[key][within(block, offset)] = source[within(block, start)]
+            filled += math.prod(block[1])
+        if filled != math.prod(size):
+            raise ConfigError(f"the checkpoint holds {filled} of the {math.prod(size)} elements of {key} "
+                              f"this rank needs")
+    return out
+
+def load_checkpoint(comm, root, config, wanted, steps):
+    """The newest checkpoint whose every file that some rank needs is whole: its manifest and the
+    blocks this rank asked for, wanted(manifest) = {key: region(...)}, each cut from the pieces
+    that overlap it, whatever the grid that wrote them; (None, None) when root holds none yet (a
+    batch job's first run). Every rank's blocks come from that one checkpoint: a damaged file
+    makes all ranks fall back together to the one before, and rank 0 says which and why. One that
+    does not fit this run (another strategy, model or tensor shape) is a ConfigError on every rank."""
     found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
     if not found:
         print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
         return None, None
     for path in reversed(found):
-        unfit = damage = manifest = shard = None
-        try:
-            with open(os.path.join(path, "manifest.json")) as stream:
-                manifest = json.load(stream)
+        manifest = damage = unfit = names = blocks = None
+        if comm.Get_rank() == 0:  # read once, by one rank
+            try:
+                with open(os.path.join(path, "manifest.json")) as stream:
+                    manifest = json.load(stream)
+                if not all({"sha256", "pieces"} <= entry.keys() for entry in manifest["files"].values()):
+                    raise ValueError("its index of files is incomplete")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                manifest, damage = None, f"{path} is damaged ({type(e).__name__}: {e})"
+        manifest, damage = comm.bcast((manifest, damage), root=0)
+        if damage is None:
             unfit = next((why for wrong, why in [  # a checkpoint that cannot continue this run
                 (manifest["strategy"] != STRATEGY, f"{path} was written by {manifest['strategy']}, not {STRATEGY}"),
                 (manifest["step"] >= steps, f"{path} is at step {manifest['step']}: --steps {steps} leaves "
                                             f"nothing to train; ask for more steps to continue"),
-                (same_world_size and manifest["world_size"] != comm.Get_size(), f"{path} was written by "
-                 f"{manifest['world_size']} ranks, this job has {comm.Get_size()}; resume with mpirun -np "
-                 f"{manifest['world_size']}"),
                 (manifest["config"] != config, f"{path} holds a model {manifest['config']}, these flags make {config}")]
                           if wrong), None)
-            name = shard_name(manifest)
-            with open(os.path.join(path, name), "rb") as stream:
-                digest = hashlib.sha256(stream.read()).hexdigest()
-            if digest != manifest["files"][name]:
-                raise ValueError(f"{name}'s SHA-256 differs from the manifest's")
-            shard = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
-        except (OSError, KeyError, ValueError, RuntimeError, EOFError) as e:
-            damage = f"{path} is damaged ({type(e).__name__}: {e})"
+            asked = wanted(manifest) if unfit is None else {}
+            names = {name for name, entry in manifest["files"].items() for key, (_, start, size)
+                     in entry["pieces"].items() if key in asked and overlap(asked[key][1:], (start, size))}
+        if damage is None and unfit is None:
+            tensors, damage = read_files(comm, path, manifest, names)
+            try:
+                blocks = None if damage else assemble(manifest, asked, tensors)
+            except ConfigError as e:
+                unfit = f"{path}: {e}"
+            damage = damage and f"{path} is damaged ({damage})"
         problems = comm.allgather((unfit, damage))
         if any(u for u, _ in problems):
             raise ConfigError(next(u for u, _ in problems if u))
         if all(d is None for _, d in problems):
             if damaged:
                 print0(comm, f"--resume: {'; '.join(damaged)}: resuming from {path}, the newest whole checkpoint")
-            return manifest, shard
+            return manifest, blocks
         damaged.append(next(d for _, d in problems if d))
     raise ConfigError(f"no whole checkpoint in {root}: {'; '.join(damaged)}")
 
