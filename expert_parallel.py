@@ -69,6 +69,11 @@ ranks of a group have all-to-all bandwidth (NVLink, or a fabric built for it): e
 for two exchanges forward and two backward, each touching every rank of the group. --ep 1 is data
 parallelism with every expert on every rank (the baseline for --ep P).
 
+Checkpoints (--save, --resume) hold the whole model's tensors, by its names and whole: rank 0 writes the
+dense parameters, rank j < P (the first group) its experts j E/P to (j+1) E/P - 1 (their replicas write
+nothing: every element once), each with SGD's momentum. A resume on any N and --ep: every rank asks for
+the dense parameters and the experts it holds now, and reads expert e from whichever file holds it.
+
 The text: the standard library's argparse.py, textwrap.py and shlex.py, bytes >= 128 as '?'.
 Run:  mpirun -np 4 python expert_parallel.py            (add --help for the flags)
 """
@@ -147,7 +152,9 @@ def load_balancing_loss(probs, choice, num_experts, coef, comm):
 def expert_capacity(capacity_factor, top_k, n, num_experts):
     """ceil(C k n / E) pairs per expert from one rank's n tokens, exactly (C as the decimal the user
     wrote: 1.1 x 90 / 3 is 33, in floats 33.00000000000001); None (dropless) without a capacity factor."""
-    return None if capacity_factor is None else math.ceil(fractions.Fraction(repr(capacity_factor)) * top_k * n / num_experts)
+    if capacity_factor is None:
+        return None
+    return math.ceil(fractions.Fraction(repr(capacity_factor)) * top_k * n / num_experts)
 
 
 def within_capacity(choice, num_experts, capacity):
@@ -322,7 +329,8 @@ class MoE(nn.Module):
         super().__init__()
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden) for _ in range(num_experts))
-        self.num_experts, self.top_k, self.aux_coef, self.capacity_factor = num_experts, top_k, aux_coef, capacity_factor
+        self.num_experts, self.top_k = num_experts, top_k
+        self.aux_coef, self.capacity_factor = aux_coef, capacity_factor
         self.ep_comm = self.stats_comm = self.aux = None  # aux: the last load-balancing loss (Block sets it)
         # For the report and --check: the last forward's load, choices, pairs kept, top-k gap (see tally())
         self.load = self.choice = self.keep = self.gap = self.first_load = None
@@ -485,9 +493,9 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, device, model, optimizer, counted, timeline, meter, past=()):
-    """The steps after the `past` ones (their global losses, from a checkpoint), each forward's
-    saved activations measured by meter. Returns this rank's losses of the new steps and their timings."""
+def train(args, comm, device, model, optimizer, counted, timeline, meter, past=(), world_sizes=()):
+    """The steps after the `past` ones (their global losses and world sizes, from a checkpoint), each
+    forward's saved activations measured by meter. Returns this rank's losses of the new steps and their timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
     per = args.batch_size // world_size
     losses, records = [], []
@@ -501,9 +509,9 @@ def train(args, comm, device, model, optimizer, counted, timeline, meter, past=(
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
             print_progress(comm, args, step, mean_loss, records[-1])
-        checkpoint_if_due(comm, args, step, lambda: {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "losses": list(past) + global_losses(comm, losses)}, model_config(args))
+        checkpoint_if_due(comm, args, step, lambda: expert_parallel_shard(
+            comm, args, model, optimizer, list(past) + global_losses(comm, losses),
+            list(world_sizes) + [world_size] * len(losses)), model_config(args))
     return losses, records
 
 
@@ -524,16 +532,15 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         counted = {"all-to-all": CountedComm(ep_comm, run.timeline), "router": CountedComm(comm, run.timeline),
                    "dense": CountedComm(comm, run.timeline), "experts": CountedComm(replica_comm, run.timeline)}
         model, optimizer = expert_parallel_model(args, counted["all-to-all"], counted["router"], run.device)
-        past, resumed = [], None
-        if args.resume:
-            resumed, shard = load_checkpoint(comm, args.save, model_config(args),
-                                             lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
-            if shard is not None:
-                past = restore(model, optimizer, shard)
+        past, world_sizes, resumed = [], [], None
+        if args.resume:  # this rank's blocks on this grid, whatever grid wrote them
+            resumed, blocks = load_checkpoint(comm, args.save, model_config(args), held_here(model), args.steps)
+            if blocks is not None:
+                past, world_sizes = restore(model, optimizer, resumed, blocks)
         print_header(comm, args, run, model, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
         losses, records = train(args, comm, run.device, model, optimizer, counted, run.timeline,
-                                activations := SavedActivations(), past)
+                                activations := SavedActivations(), past, world_sizes)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
@@ -542,7 +549,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     dense, experts = checksums(model)
     if len(set(comm.allgather(dense))) != 1 or len(set(replica_comm.allgather(experts))) != 1:
         raise RuntimeError("replicas diverged: the dense parameters, or the copies of an expert, differ")
-    diff, reference = check(comm, args, losses, model) if args.check else (None, None)
+    world_sizes += [comm.Get_size()] * (args.steps - len(world_sizes))
+    diff, reference = check(comm, args, losses, model, world_sizes) if args.check else (None, None)
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
     return report(comm, args, run, model, losses, records, counted, diff, reference, sum(activations.storages.values()))
@@ -566,14 +574,17 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # they agree): a near-tie may fall the other way after float32 rounding, and one flipped token would
 # move the run by far more than rounding; the check counts that preference against its tolerance,
 # so a routing error still fails it.
-def reference_training(args, world_size, choices=None):
-    """The same steps in one process holding every expert; choices: each block's ranks' choices by step, which it follows."""
+def reference_training(args, world_sizes, choices=None):
+    """The same steps in one process holding every expert; world_sizes: the ranks of each step (a capacity
+    is per rank's tokens); choices: each block's ranks' choices by step, which it follows."""
     model = build_model(args)
     for moe, followed in zip(moe_layers(model), choices or [None] * args.layers):
         moe.followed, moe.differed, moe.disagreement = iter(followed or []), 0, 0.0
-        moe.forward = lambda x, moe=moe: reference_moe(moe, x, world_size)
+        moe.forward = lambda x, moe=moe: reference_moe(moe, x, moe.slices)
     optimizer, losses = sgd(model, args.lr), []
     for step in range(args.steps):
+        for moe in moe_layers(model):
+            moe.slices = world_sizes[step]
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         optimizer.zero_grad(set_to_none=False)
         with torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16"):  # as the ranks
@@ -635,12 +646,13 @@ def gather_choices(model, comm, steps):
     return None if every is None else [[None] * (steps - every.size(2)) + list(every[:, block].transpose(0, 1).flatten(1, 2))
                                        for block in range(every.size(1))]
 
-def check(comm, args, losses, model):
-    """Rank 0 gathers the model and the choices and trains the reference on its CPU; the others wait
-    without spinning. All get the largest difference (losses, parameters, routing) and its counts."""
+def check(comm, args, losses, model, world_sizes=None):
+    """Rank 0 gathers the model and the choices and trains the reference on its CPU (world_sizes: the
+    ranks of each step, before a resume too); the others wait without spinning. All get the largest
+    difference (losses, parameters, routing) and its counts."""
     full, choices, diff, counts = gather_model(model, comm), gather_choices(model, comm, args.steps), None, None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args, comm.Get_size(), choices)
+        ref_losses, ref_model = reference_training(args, world_sizes or [comm.Get_size()] * args.steps, choices)
         moes = moe_layers(ref_model)
         diff = max(max_difference(losses, full, ref_losses, ref_model), *(m.disagreement for m in moes))
         counts = (int(sum(m.dropped for m in moes)), sum(m.differed for m in moes), max(m.disagreement for m in moes))
@@ -672,7 +684,8 @@ def print_header(comm, args, run, model, resumed):
     N, P, E, L, B, T = comm.Get_size(), args.ep, args.experts, args.layers, args.batch_size, args.seq_len
     dense = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in expert_parameters(model))
     one, C = sum(p.numel() for p in next(iter(moe_layers(model)[0].experts.values())).parameters()), args.capacity_factor
-    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)"] if resumed else []),
+    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks), --ep "
+                    f"{resumed['state']['ep']} then, --ep {P} now"] if resumed else []),
            *run.header, f"model: GPT, {L} blocks, hidden {args.hidden}, {args.heads} heads, each block's MLP {E} experts, "
            f"top-{args.top_k}: {dense + L * E * one:,} parameters, {dense:,} of them dense, {one:,} an expert",
            f"--ep {P}: {N // P} group(s) of {P} consecutive ranks, {E // P} expert(s) of every block on each rank (rank j of a "
@@ -768,14 +781,33 @@ def parse_args(argv, world_size):
     return args
 
 def model_config(args):
-    """What the shapes of a checkpoint's shards depend on."""
-    return {"model": "GPT-MoE", "vocab": VOCAB, **{key: vars(args)[key] for key in ("layers", "hidden", "heads", "seq_len", "experts", "ep")}}
+    """The model a checkpoint holds, never the grid (the world size, --ep): it resumes on any."""
+    return {"model": "GPT-MoE", "vocab": VOCAB, **{key: vars(args)[key] for key in ("layers", "hidden", "heads", "seq_len", "experts")}}
 
-def restore(model, optimizer, shard):
-    """Load this rank's dense parameters and experts (same world size and --ep); the losses so far."""
-    model.load_state_dict(shard["model"])
-    optimizer.load_state_dict(shard["optimizer"])
-    return shard["losses"]
+def expert_parallel_shard(comm, args, model, optimizer, losses, world_sizes):
+    """What this rank writes, by the whole model's names, each tensor whole with SGD's momentum: rank 0
+    the dense parameters, the first group's ranks (rank < --ep) their experts; the other groups, replicas,
+    nothing. Rank 0's state: the losses so far, the world size of each step, the --ep that wrote it."""
+    rank, experts = comm.Get_rank(), {id(p) for p in expert_parameters(model)}
+    pieces = {}
+    for name, p in model.named_parameters():
+        if (rank < args.ep) if id(p) in experts else (rank == 0):
+            pieces[name], pieces[f"momentum/{name}"] = piece(p), piece(optimizer.state[p]["momentum_buffer"])
+    return pieces, {"losses": list(losses), "world_sizes": list(world_sizes), "ep": args.ep} if rank == 0 else None
+
+def held_here(model):
+    """wanted() for load_checkpoint: the tensors this rank holds on this grid (the dense ones and its
+    experts, named as in the whole model), whole, and their momentum; whichever grid wrote them."""
+    return lambda manifest: {key: region(p.shape) for name, p in model.named_parameters()
+                             for key in (name, f"momentum/{name}")}
+
+def restore(model, optimizer, manifest, blocks):
+    """This rank's dense parameters, experts and momentum from the blocks it asked for; returns the
+    losses so far and the world size of each of those steps."""
+    model.load_state_dict({name: blocks[name] for name in model.state_dict()})
+    for name, p in model.named_parameters():
+        optimizer.state[p]["momentum_buffer"] = blocks[f"momentum/{name}"].to(p.device)
+    return manifest["state"]["losses"], manifest["state"]["world_sizes"]
 
 # --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
 def max_difference(losses, state, ref_losses, ref_model):

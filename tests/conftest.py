@@ -1,5 +1,6 @@
 import faulthandler
 import os
+import sys
 import time
 
 # The suite runs on the CPU whatever the machine: a GPU node would otherwise run every in-process
@@ -25,6 +26,23 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="end-to-end launches run on rank 0")
         for item in e2e:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """An exception on one rank ends the job at once, as in the scripts: its peers may be waiting
+    in a collective it will never enter, and would sit there until TEST_TIMEOUT without a word of
+    which test failed. A failed `assert agree(...)` is no such case: every rank fails it together,
+    and the suite goes on."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None and not call.excinfo.errisinstance(AssertionError) \
+            and not item.get_closest_marker("e2e") and MPI.COMM_WORLD.Get_size() > 1:
+        rank = MPI.COMM_WORLD.Get_rank()
+        print(f"\nrank {rank}: {item.nodeid} raised {call.excinfo.typename}: {call.excinfo.value}\n"
+              f"{report.longreprtext}\nrank {rank}: ending the job (MPI_Abort), its peers may be waiting in a "
+              f"collective", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
 
 
 def pytest_runtest_setup(item):

@@ -3,6 +3,7 @@ training against one process at every N and --ep, then the script as launched.""
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -456,28 +457,73 @@ def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
     assert all(w in str(error.value) for w in words), str(error.value)
 
 
-@pytest.mark.mpi
-def test_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_path_factory, capsys):
-    """Each rank saves its own shard (the dense layers, its experts, its optimizer state): 2 steps
-    on 4 ranks with --ep 2, then 2 more from the checkpoint, equal bit for bit to 4 steps in one
-    go; the resumed run's check against one process passes."""
-    folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
+# The checkpoints' tests: a smaller model still (hidden 16), 2 steps saved, 2 more resumed.
+SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "12", "--json"]
 
-    def run(*argv):
-        status = ep.main(TINY + ["--ep", "2", "--json", *argv], comm)
-        out = capsys.readouterr().out
-        result = json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 else None
-        return status, comm.bcast((result, "resumed from" in out), root=0)
-    with sub_comm(4) as comm:
+
+def run_on(size, argv, capsys):
+    """ep.main(SMALL + argv) on the first `size` ranks: (status, the JSON, "resumed from" said) on
+    every rank of COMM_WORLD, (0, None, False) from the ranks left out."""
+    with sub_comm(size) as comm:
+        result = (0, None, False)
+        if comm is not None:
+            status = ep.main(SMALL + argv, comm)
+            out = capsys.readouterr().out
+            run = json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 and status == 0 else None
+            result = (status, run, "resumed from" in out)
+    return world().bcast(result, root=0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("saved, resumed", [((4, 2), (4, 2)), ((4, 4), (2, 2)), ((2, 2), (3, 1)), ((1, 1), (4, 4))],
+                         ids=["same grid", "N 4 ep 4 to N 2 ep 2", "N 2 ep 2 to N 3 ep 1", "N 1 to N 4 ep 4"])
+def test_a_checkpoint_resumes_on_any_grid_as_the_uninterrupted_run_there(saved, resumed, tmp_path_factory, capsys):
+    """2 steps on N ranks with --ep P (each rank writes its experts, or nothing), then 2 more from the
+    checkpoint on another N and --ep, every rank asking for the experts it now holds: the losses from
+    the checkpoint's step on equal 4 steps in one go on the new grid (bit for bit on the same grid,
+    within TOLERANCE on another: the experts run on other batches of rows), and the resumed run's
+    check against one process passes."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
+    (n, p), (m, q) = saved, resumed
+    first = run_on(n, ["--steps", "2", "--ep", str(p), "--save", folder, "--no-check"], capsys)
+    status, run, said = run_on(m, ["--steps", "4", "--ep", str(q), "--save", folder, "--resume"], capsys)
+    whole = run_on(m, ["--steps", "4", "--ep", str(q), "--no-check"], capsys)
+    assert first[0] == status == whole[0] == 0 and said, (first[0], status, whole[0], said)
+    diff = max(abs(a - b) for a, b in zip(run["losses"][2:], whole[1]["losses"][2:]))
+    same = run["losses"] == whole[1]["losses"]
+    assert same if saved == resumed else diff <= ep.TOLERANCE, (run["losses"], whole[1]["losses"])
+    assert run["check_max_abs_diff"] <= ep.TOLERANCE
+
+
+@pytest.mark.mpi
+def test_a_resume_with_a_capacity_on_fewer_ranks_passes_its_check(tmp_path_factory, capsys):
+    """With a capacity, what a rank drops depends on its share of the tokens: 2 steps on 4 ranks, 2 on
+    2; the reference counts each step's capacity for the ranks of that step (the checkpoint's world sizes)."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
+    flags = ["--capacity-factor", "1.0", "--save", folder]
+    first = run_on(4, ["--steps", "2", "--ep", "2", "--no-check", *flags], capsys)
+    status, run, said = run_on(2, ["--steps", "4", "--ep", "1", "--resume", *flags], capsys)
+    assert first[0] == status == 0 and said and run["tokens_dropped"] > 0, (first[0], status, said)
+    assert run["check_max_abs_diff"] <= ep.TOLERANCE, run["check_max_abs_diff"]
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_of_another_expert_count_is_refused_in_one_line_naming_both(tmp_path_factory, capsys):
+    """A checkpoint of 4 experts a block, resumed with --experts 6: status 2, one error line that names
+    both models, nothing printed on stdout, no checkpoint written."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
+    first = run_on(2, ["--steps", "1", "--save", folder, "--no-check"], capsys)
+    with sub_comm(2) as comm:
         ok, why = True, None
         if comm is not None:
-            first, _ = run("--steps", "2", "--save", folder, "--no-check")
-            status, (resumed, said) = run("--steps", "4", "--save", folder, "--resume")
-            whole_status, (whole, _) = run("--steps", "4", "--no-check")
-            why = (first, status, whole_status, said, resumed["losses"], whole["losses"])
-            ok = (first == status == whole_status == 0 and said and resumed["losses"] == whole["losses"]
-                  and resumed["check_max_abs_diff"] <= ep.TOLERANCE)
-        assert agree(ok), why
+            status = ep.main(SMALL + ["--steps", "3", "--experts", "6", "--save", folder, "--resume"], comm)
+            out, err = capsys.readouterr()
+            lines = [line for line in err.splitlines() if line.startswith("error:")]
+            why = (status, out, err, sorted(os.listdir(folder)))
+            ok = status == 2 and sorted(os.listdir(folder)) == ["step-000001"] and (comm.Get_rank() > 0 or (
+                out == "" and len(lines) == 1 and "holds a model" in lines[0] and "'experts': 4" in lines[0]
+                and "'experts': 6" in lines[0]))
+        assert agree(first[0] == 0 and ok), why
 
 
 @pytest.mark.e2e
