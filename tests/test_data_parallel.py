@@ -310,8 +310,8 @@ def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
 # --- end to end: the script as a user launches it -------------------------------------------
 
 def readme_sample():
-    """The command and the lines shown under the README's "What a run prints"."""
-    section = (ROOT / "README.md").read_text().split("## What a run prints")[1].split("\n## ")[0]
+    """The command and the lines shown under the README's "What the first run prints"."""
+    section = re.split(r"\n#{2,3} ", (ROOT / "README.md").read_text().split("### What the first run prints")[1])[0]
     return re.search(r"`(mpirun [^`]*)`", section).group(1), section.split("```")[1].strip("\n").splitlines()
 
 

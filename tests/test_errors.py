@@ -1,4 +1,5 @@
-"""Every rejected input in the README's table, run as written: exit 2, one `error:` line."""
+"""Every rejected input in docs/errors.md's table and the README's common rows, run as written: exit 2,
+one `error:` line."""
 import ast
 import shlex
 
@@ -9,16 +10,23 @@ from harness import ROOT, assert_refused, launch
 
 def table_rows():
     """(example command, or the test file that runs the row, and its message) for each row of the
-    README's table of rejected inputs."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## When things go wrong")[1].split("\n## ")[0]
+    tables of rejected inputs: docs/errors.md's, every one, and the README's common ones (each once)."""
+    readme = (ROOT / "README.md").read_text().split("## Checkpoints and errors")[1].split("\n## ")[0]
     rows = []
-    for line in section.splitlines():
+    for line in ((ROOT / "docs" / "errors.md").read_text() + "\n" + readme).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[2].startswith("`error:"):
             command = cells[1].strip("`") if cells[1].startswith("`mpirun") else cells[1]
-            rows.append((command, cells[2].strip("`")))
+            if (command, cells[2].strip("`")) not in rows:
+                rows.append((command, cells[2].strip("`")))
     return rows
+
+
+def test_the_readmes_common_rows_are_in_the_full_table():
+    full = (ROOT / "docs" / "errors.md").read_text()
+    readme = (ROOT / "README.md").read_text().split("## Checkpoints and errors")[1].split("\n## ")[0]
+    common = [line for line in readme.splitlines() if line.startswith("| ") and "`error:" in line]
+    assert common and all(line in full for line in common)
 
 
 ROWS = table_rows()
@@ -62,7 +70,7 @@ UNWRITABLE = [("--save", "/proc/nope", "cannot write /proc/nope"),
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("script, flag, path, words", [  # data_parallel.py's rows: the README's
+@pytest.mark.parametrize("script, flag, path, words", [  # data_parallel.py's rows: docs/errors.md's
     (script, *UNWRITABLE[i % len(UNWRITABLE)]) for i, script in enumerate(s for s in PRESENT if s != "data_parallel.py")])
 def test_a_path_that_cannot_be_written_is_refused_before_training(script, flag, path, words):
     """Every file, before it builds anything: one line, exit 2, no step printed. The paths are
