@@ -66,7 +66,6 @@ Memory, bytes saved for backward per rank and block (s = T/N, H heads; 1/N of on
   none bsh(8 + 15e) + 16bs + 4Hbs: float32 the LayerNorms' inputs, mean, rstd, lse; e: q, k, v, the
   output, the inputs of qkv, proj and fc1, GELU's and fc2's (4h each); selective bsh(8 + 14e) + 16bs
   (no output, no lse); full 4bsh. Once: bsh(4 + e) + 4bsV + 24bs + 8s + 4 (head, log-softmax, ids...)
-
 When to choose it: a sequence whose activations one device cannot hold, even with tensor parallelism
 (which stops at the heads and the node). The ring has no limit in N, can hide its messages behind
 compute and holds one block of scores, (T/N)^2 H; the all-to-all moves fewer bytes as N grows but
@@ -546,8 +545,12 @@ def train(args, comm, run, model, optimizer, meter, past=()):
         records.append(run.timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print_progress(comm, args, step, losses[-1], records[-1])
-        checkpoint_if_due(comm, args, step, lambda: None if comm.Get_rank() else {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "losses": losses}, model_config(args))
+        # Every rank holds the same model: rank 0 alone writes it, each parameter and its SGD momentum
+        # whole by the model's own names, with the losses (model_shard). A resume at any N, --layout or
+        # --cp-comm gives every rank all of it (rank 0 reads the one file and broadcasts it): the
+        # positions a rank holds are a function of (N, layout), not state.
+        checkpoint_if_due(comm, args, step, lambda: model_shard(comm, args, model, optimizer, losses),
+                          model_config(args))
     return losses, records
 
 def model_config(args):
@@ -565,10 +568,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         model, optimizer = context_parallel_model(args, counted, run.timeline, run.device)
         past, resumed = [], None
         if args.resume:
-            resumed, shard = load_checkpoint(comm, args.save, model_config(args), lambda manifest: "rank-0.pt",
-                                             args.steps, same_world_size=False)
-            if shard is not None:
-                past = restore(comm, model, optimizer, shard)
+            resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
+                                              lambda manifest: model_regions(model), args.steps)
+            if blocks is not None:
+                past = restore(model, optimizer, resumed, blocks)
         print_header(comm, args, run, model, resumed)
         meter = SavedBytes(model)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
@@ -694,11 +697,29 @@ def checksum(model):
         crc = zlib.crc32(p.detach().cpu().contiguous().numpy().tobytes(), crc)
     return crc
 
-def restore(comm, model, optimizer, shard):
-    """Every rank loads the one saved model (any world size, any layout); returns the losses so far."""
-    model.load_state_dict(shard["model"])
-    optimizer.load_state_dict(shard["optimizer"])
-    return shard["losses"]
+def model_shard(comm, args, model, optimizer, losses):
+    """What rank 0 saves, the others nothing (every rank holds the same model): each parameter and
+    its SGD momentum, whole; as state the losses so far and the grid that wrote them."""
+    if comm.Get_rank() != 0:
+        return {}, None
+    pieces = {name: piece(t) for name, t in model.state_dict().items()}
+    pieces.update({f"momentum/{name}": piece(optimizer.state[p]["momentum_buffer"])
+                   for name, p in model.named_parameters() if "momentum_buffer" in optimizer.state[p]})
+    grid = {"world_size": comm.Get_size(), "layout": args.layout, "cp_comm": args.cp_comm}
+    return pieces, {"losses": list(losses), "grid": grid}
+
+def model_regions(model):
+    """What every rank asks a checkpoint for, whatever grid wrote it: all of the model and its momentum."""
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    shapes.update({f"momentum/{name}": p.shape for name, p in model.named_parameters()})
+    return {key: region(shape) for key, shape in shapes.items()}
+
+def restore(model, optimizer, manifest, blocks):
+    """Every rank loads the one saved model and momentum (any N, layout, --cp-comm); returns the losses so far."""
+    model.load_state_dict({name: blocks[name] for name in model.state_dict()})
+    for name, p in model.named_parameters():
+        optimizer.state[p]["momentum_buffer"] = blocks[f"momentum/{name}"].to(p.device)
+    return manifest["state"]["losses"]
 
 # --- Report: header, the summary and --json ----------------------------------
 def formulas(args, world_size, params):
@@ -725,7 +746,9 @@ def formulas(args, world_size, params):
 def print_header(comm, args, run, model, resumed):
     n, params = comm.Get_size(), sum(p.numel() for p in model.parameters())
     if resumed:
-        print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)")
+        grid = resumed["state"]["grid"]
+        print0(comm, f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks, "
+                     f"--layout {grid['layout']}, --cp-comm {grid['cp_comm']})")
     split = (f"chunks r and {2 * n - 1}-r of {2 * n}, {args.seq_len // (2 * n)} positions each" if args.layout == "zigzag"
              else f"positions [r x {args.seq_len // n}, (r+1) x {args.seq_len // n})")
     print0(comm, *run.header,

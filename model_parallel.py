@@ -58,9 +58,8 @@ and output (16bsh floats), mean and 1/std (4bs), the softmax (abs^2); bf16: the 
 as bf16 copies, LayerNorms' float32 inputs, the softmax in float32 and a bf16 copy (6abs^2).
 8bs + 8s: token and position indices; A_head: LayerNorm in and out, log-softmax, targets, a scalar.
 
-When to choose it: the model, its gradients and optimizer state do not fit on one device, and
-simplicity matters more than speed; otherwise pipeline it (pipeline_parallel.py) or split each
-layer (tensor_parallel.py).
+When to choose it: the model, its gradients and optimizer state do not fit on one device, and simplicity
+matters more than speed; otherwise pipeline it (pipeline_parallel.py) or split each layer (tensor_parallel.py).
 
 The network: a GPT-2 style character-level language model trained on the source of Python's own
 argparse.py, textwrap.py and shlex.py, read from this Python's standard library.
@@ -404,9 +403,8 @@ def train(args, comm, counted, device, stage, optimizer, shapes, timeline, saved
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             loss = comm.bcast(losses[-1], root=comm.Get_size() - 1)  # reporting only, not counted
             print_progress(comm, args, step, loss, records[-1])
-        checkpoint_if_due(comm, args, step, lambda: {  # the losses: the last rank computed them
-            "model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-            "losses": list(past) + all_losses(comm, losses)}, model_config(args))
+        checkpoint_if_due(comm, args, step, lambda: stage_shard(comm, stage, optimizer, list(past) + losses),
+                          model_config(args))
     return losses, records, window
 
 
@@ -415,6 +413,38 @@ def all_losses(comm, losses):
     values = torch.tensor(losses, dtype=torch.float64)
     comm.Bcast(values, root=comm.Get_size() - 1)
     return values.tolist()
+
+
+# Checkpoints: rank r writes what it holds, its stage's parameters and their SGD momentum, each tensor
+# whole under the whole model's name, not by rank (a slice of the nn.Sequential keeps its indices:
+# 3.attn.qkv.weight is block 2 on whichever rank holds it, momentum/3.attn.qkv.weight its momentum);
+# the last rank, which computes the losses, adds them. A resume on M ranks cuts layer_split(L, M)
+# afresh: each rank asks for the names of its new stage, wherever the old split put them, and reads
+# only the files that hold them.
+def stage_shard(comm, stage, optimizer, losses):
+    """What this rank saves: each tensor of its stage and its SGD momentum, whole (see piece()); the
+    last rank adds the losses so far (elsewhere `losses` holds zeros) as the checkpoint's state."""
+    pieces = {name: piece(t) for name, t in stage.state_dict().items()}
+    pieces.update({f"momentum/{name}": piece(optimizer.state[p]["momentum_buffer"])
+                   for name, p in stage.named_parameters() if "momentum_buffer" in optimizer.state[p]})
+    return pieces, {"losses": losses} if comm.Get_rank() == comm.Get_size() - 1 else None
+
+
+def stage_regions(stage):
+    """What this rank asks a checkpoint for, whatever split wrote it: every tensor of its stage on
+    this run's split and that tensor's momentum, each whole."""
+    shapes = {name: t.shape for name, t in stage.state_dict().items()}
+    shapes.update({f"momentum/{name}": p.shape for name, p in stage.named_parameters()})
+    return {key: region(shape) for key, shape in shapes.items()}
+
+
+def restore_stage(stage, optimizer, manifest, blocks):
+    """Load the blocks stage_regions asked for into the stage and its optimizer; returns the losses
+    of the steps the checkpoint trained."""
+    stage.load_state_dict({name: blocks[name] for name in stage.state_dict()})
+    for name, p in stage.named_parameters():
+        optimizer.state[p]["momentum_buffer"] = blocks[f"momentum/{name}"].to(p.device)
+    return manifest["state"]["losses"]
 
 
 def main(argv=None, comm=MPI.COMM_WORLD):
@@ -429,12 +459,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
         past, resumed = [], None
         if args.resume:
-            resumed, shard = load_checkpoint(comm, args.save, model_config(args), lambda manifest: f"rank-{rank}.pt",
-                                             args.steps, same_world_size=True)
-            if shard is not None:
-                stage.load_state_dict(shard["model"])
-                optimizer.load_state_dict(shard["optimizer"])
-                past = shard["losses"]
+            resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
+                                              lambda manifest: stage_regions(stage), args.steps)
+            if blocks is not None:  # this run's split, whatever split wrote the checkpoint
+                past = restore_stage(stage, optimizer, resumed, blocks)
         shapes = agree_shapes(stage, comm, args.batch_size, args.seq_len, run.device, args.precision)
         print_header(comm, args, run, stage, shapes, resumed)
         counted.reset()  # count the training steps only

@@ -2,6 +2,8 @@
 in both layouts and the three variants, the counts beside their formulas, then the script as launched."""
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,24 +329,111 @@ def test_staged_through_host_memory_no_receive_buffer_is_copied_in(cp_comm, monk
         assert agree(result is None or (result[0] <= cp.TOLERANCE and result[1] == result[2])), result
 
 
+# --- Checkpoints: saved on one grid (N, --layout, --cp-comm), resumed on another ------------------
+RESUME = SMALL + ["--seed", "3", "--steps", "4", "--save-every", "2"]  # checkpoints after steps 2 and 4
+UNINTERRUPTED = {}  # grid -> the folder of its uninterrupted run, made by the first test that needs it
+
+
+def grid_flags(grid):
+    return ["--layout", grid[1], "--cp-comm", grid[2]]
+
+
+def uninterrupted(grid, tmp_path_factory):
+    """The folder of a run of all 4 steps on `grid` (N, layout, --cp-comm) that was never stopped
+    (checkpoints of steps 2 and 4): what a resumed run must equal, and where a resume takes step 2 from."""
+    if grid not in UNINTERRUPTED:
+        folder = world().bcast(str(tmp_path_factory.mktemp("uninterrupted")), root=0)
+        with sub_comm(grid[0]) as comm:
+            status = 0 if comm is None else cp.main(RESUME + grid_flags(grid) + ["--save", folder, "--no-check"], comm)
+            assert agree(status == 0)
+        UNINTERRUPTED[grid] = folder
+    return UNINTERRUPTED[grid]
+
+
+def step_2_of(folder, tmp_path_factory):
+    """A new folder that holds only the checkpoint of step 2 of `folder` (rank 0 copies it)."""
+    copy = None
+    if world().Get_rank() == 0:
+        copy = tmp_path_factory.mktemp("resumed")
+        shutil.copytree(Path(folder) / "step-000002", copy / "step-000002")
+    return world().bcast(str(copy), root=0)
+
+
+def latest_checkpoint(folder):
+    """The newest checkpoint in folder: its manifest and rank 0's one file (the model and momentum)."""
+    path = sorted(Path(folder).glob("step-*"))[-1]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert list(manifest["files"]) == ["rank-0.pt"], manifest["files"].keys()  # written once, by rank 0
+    return manifest, torch.load(path / "rank-0.pt", weights_only=True)
+
+
+def difference(a, b):
+    """Largest |difference| between two checkpoints' losses and tensors (parameters and momentum)."""
+    (manifest_a, tensors_a), (manifest_b, tensors_b) = a, b
+    assert tensors_a.keys() == tensors_b.keys() and len(manifest_a["state"]["losses"]) == 4
+    return max([abs(x - y) for x, y in zip(manifest_a["state"]["losses"], manifest_b["state"]["losses"], strict=True)]
+               + [(tensors_a[key] - tensors_b[key]).abs().max().item() for key in tensors_a])
+
+
+ZIGZAG_RING, CONTIGUOUS_ALLGATHER = (2, "zigzag", "ring"), (3, "contiguous", "allgather")
+ZIGZAG_ALLTOALL, ONE_RANK = (4, "zigzag", "alltoall"), (1, "contiguous", "ring")
+
+
 @pytest.mark.mpi
-def test_a_checkpoint_resumes_at_another_world_size_and_layout(tmp_path_factory, capsys):
-    """Every rank holds the whole model and rank 0 saves it: 2 steps on 2 ranks (zigzag), then 2
-    more on 3 ranks (contiguous) from the checkpoint, whose check against 4 steps of one process passes."""
-    folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
-    with sub_comm(2) as comm:
-        status = 0 if comm is None else cp.main(SMALL + ["--steps", "2", "--save", folder, "--no-check"], comm)
-        assert agree(status == 0)
-    with sub_comm(3) as comm:
+@pytest.mark.parametrize("saved_on, resumed_on", [
+    (ZIGZAG_RING, CONTIGUOUS_ALLGATHER), (CONTIGUOUS_ALLGATHER, ZIGZAG_ALLTOALL), (ZIGZAG_ALLTOALL, ONE_RANK),
+    (ONE_RANK, ZIGZAG_RING), (ZIGZAG_RING, ZIGZAG_RING)], ids=lambda g: f"{g[0]}-{g[1]}-{g[2]}")
+def test_a_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run_there(saved_on, resumed_on,
+                                                                               tmp_path_factory, capsys):
+    """Step 2 of a run on one grid (N, --layout, --cp-comm), resumed on another (every rank takes the
+    whole model that rank 0 wrote), trains steps 3 and 4 as the uninterrupted run on the new grid:
+    their last checkpoints hold the same losses (the first two computed on the old grid), parameters
+    and momentum within TOLERANCE, bit for bit on the same grid; the resumed run's check against one
+    process passes, and its header names the grid that wrote the checkpoint."""
+    source, whole = uninterrupted(saved_on, tmp_path_factory), uninterrupted(resumed_on, tmp_path_factory)
+    folder = step_2_of(source, tmp_path_factory)
+    said = f"at step 2 (written by {saved_on[0]} ranks, --layout {saved_on[1]}, --cp-comm {saved_on[2]})"
+    with sub_comm(resumed_on[0]) as comm:
         run, status = None, 0
         if comm is not None:
-            status = cp.main(SMALL + ["--steps", "4", "--save", folder, "--resume", "--layout", "contiguous",
-                                      "--json"], comm)
+            status = cp.main(RESUME + grid_flags(resumed_on) + ["--save", folder, "--resume", "--json"], comm)
             out = capsys.readouterr().out
             run = json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 else None
-            run = comm.bcast((run, "resumed from" in out), root=0)
+            run = comm.bcast((run, said in out), root=0)
         assert agree(status == 0)
         assert agree(run is None or (run[1] and run[0]["check_max_abs_diff"] <= cp.TOLERANCE)), run
+    ok = True
+    if world().Get_rank() == 0:
+        resumed, reference = latest_checkpoint(folder), latest_checkpoint(whole)
+        ok = resumed[0]["step"] == 4 and resumed[0]["world_size"] == resumed_on[0]
+        if saved_on == resumed_on:  # bit for bit: every loss, parameter and momentum
+            ok = ok and resumed[0]["state"] == reference[0]["state"] and resumed[1].keys() == reference[1].keys()
+            ok = ok and all(torch.equal(resumed[1][key], reference[1][key]) for key in resumed[1])
+        else:
+            ok = ok and difference(resumed, reference) <= cp.TOLERANCE
+    assert agree(ok)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flag, saved, given", [("--layers", 2, 3), ("--hidden", 16, 32)])
+def test_a_checkpoint_of_another_model_is_refused_with_one_line_naming_both(flag, saved, given, tmp_path_factory,
+                                                                              capsys):
+    """Another number of blocks or hidden size, on another grid: exit 2, one line that names the
+    checkpoint's model and this run's, and nothing written in the folder."""
+    folder = step_2_of(uninterrupted(ZIGZAG_RING, tmp_path_factory), tmp_path_factory)
+    before = sorted(str(p) for p in Path(folder).rglob("*"))
+    with sub_comm(3) as comm:
+        status, errors = 2, []
+        if comm is not None:
+            status = cp.main(RESUME + grid_flags(CONTIGUOUS_ALLGATHER) + ["--save", folder, "--resume", flag,
+                                                                          str(given)], comm)
+            errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        word = flag.removeprefix("--")
+        ok = status == 2 and (world().Get_rank() != 0 or (
+            len(errors) == 1 and "holds a model" in errors[0]
+            and f"'{word}': {saved}" in errors[0] and f"'{word}': {given}" in errors[0]))
+        assert agree(ok), errors
+    assert agree(world().Get_rank() != 0 or sorted(str(p) for p in Path(folder).rglob("*")) == before)
 
 
 @pytest.mark.parametrize("argv, world_size, words", [

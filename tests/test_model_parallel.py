@@ -1,7 +1,9 @@
 """model_parallel.py: the layer split, one step under MPI against one process, the script end to end."""
 import json
 import os
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,6 +195,105 @@ def test_no_send_flies_while_a_rank_computes():
             rank, timeline = comm.Get_rank(), train_split(args, comm)[-1]
             count = mp.sends_in_flight(timeline.step_events)
             assert agree(count == [0, (rank > 0) + (rank < 2)], comm), count
+
+
+# --- Checkpoints: saved on one split, resumed on another -----------------------------------------
+# 4 blocks, so that every world size from 1 to 4 holds some; 4 steps, a checkpoint after steps 2 and 4.
+RESUME = ["--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--seed", "3",
+          "--steps", "4", "--save-every", "2"]
+UNINTERRUPTED = {}  # world size -> the folder of its uninterrupted run, made by the first test that needs it
+
+
+def uninterrupted(size, tmp_path_factory):
+    """The folder of a run of all 4 steps on `size` ranks that was never stopped (checkpoints of
+    steps 2 and 4): what a resumed run must equal, and where a resume takes step 2 from."""
+    if size not in UNINTERRUPTED:
+        folder = world().bcast(str(tmp_path_factory.mktemp(f"uninterrupted-{size}")), root=0)
+        with sub_comm(size) as comm:
+            status = 0 if comm is None else mp.main(RESUME + ["--save", folder, "--no-check"], comm)
+            assert agree(status == 0)
+        UNINTERRUPTED[size] = folder
+    return UNINTERRUPTED[size]
+
+
+def step_2_of(folder, tmp_path_factory):
+    """A new folder that holds only the checkpoint of step 2 of `folder` (rank 0 copies it)."""
+    copy = None
+    if world().Get_rank() == 0:
+        copy = tmp_path_factory.mktemp("resumed")
+        shutil.copytree(Path(folder) / "step-000002", copy / "step-000002")
+    return world().bcast(str(copy), root=0)
+
+
+def latest_checkpoint(folder):
+    """The newest checkpoint in folder: its manifest, and every tensor of every file by key (each
+    piece here is a whole tensor, whichever rank wrote it)."""
+    path = sorted(Path(folder).glob("step-*"))[-1]
+    manifest, tensors = json.loads((path / "manifest.json").read_text()), {}
+    for name in manifest["files"]:
+        tensors.update(torch.load(path / name, weights_only=True))
+    return manifest, tensors
+
+
+def difference(a, b):
+    """Largest |difference| between two checkpoints' losses and tensors (parameters and momentum)."""
+    (manifest_a, tensors_a), (manifest_b, tensors_b) = a, b
+    assert tensors_a.keys() == tensors_b.keys() and len(manifest_a["state"]["losses"]) == 4
+    return max([abs(x - y) for x, y in zip(manifest_a["state"]["losses"], manifest_b["state"]["losses"], strict=True)]
+               + [(tensors_a[key] - tensors_b[key]).abs().max().item() for key in tensors_a])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("saved_on, resumed_on", [(1, 3), (3, 4), (4, 2), (2, 1), (3, 3)])
+def test_a_checkpoint_resumes_on_another_split_as_the_uninterrupted_run_there(saved_on, resumed_on,
+                                                                                tmp_path_factory, capsys):
+    """Step 2 of a run on `saved_on` ranks, resumed on `resumed_on` ranks (a new layer split: each rank
+    asks for its new stage by the whole model's names), trains steps 3 and 4 as the uninterrupted run
+    on `resumed_on` ranks: their last checkpoints hold the same losses (the first two computed on the
+    old split), parameters and momentum within TOLERANCE, bit for bit on the same split; the resumed
+    run's check against one process passes."""
+    source, whole = uninterrupted(saved_on, tmp_path_factory), uninterrupted(resumed_on, tmp_path_factory)
+    folder = step_2_of(source, tmp_path_factory)
+    with sub_comm(resumed_on) as comm:
+        run, status = None, 0
+        if comm is not None:
+            status = mp.main(RESUME + ["--save", folder, "--resume", "--json"], comm)
+            out = capsys.readouterr().out
+            run = json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 else None
+            run = comm.bcast((run, f"at step 2 (written by {saved_on} ranks)" in out), root=0)
+        assert agree(status == 0)
+        assert agree(run is None or (run[1] and run[0]["check_max_abs_diff"] <= mp.TOLERANCE)), run
+    ok = True
+    if world().Get_rank() == 0:
+        resumed, reference = latest_checkpoint(folder), latest_checkpoint(whole)
+        ok = resumed[0]["step"] == 4 and resumed[0]["world_size"] == resumed_on
+        if saved_on == resumed_on:  # bit for bit: every loss, parameter and momentum
+            ok = ok and resumed[0]["state"] == reference[0]["state"] and resumed[1].keys() == reference[1].keys()
+            ok = ok and all(torch.equal(resumed[1][key], reference[1][key]) for key in resumed[1])
+        else:
+            ok = ok and difference(resumed, reference) <= mp.TOLERANCE
+    assert agree(ok)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flag, saved, given", [("--layers", 4, 5), ("--hidden", 16, 32)])
+def test_a_checkpoint_of_another_model_is_refused_with_one_line_naming_both(flag, saved, given, tmp_path_factory,
+                                                                              capsys):
+    """Another number of blocks or hidden size, on another split: exit 2, one line that names the
+    checkpoint's model and this run's, and nothing written in the folder."""
+    folder = step_2_of(uninterrupted(4, tmp_path_factory), tmp_path_factory)
+    before = sorted(str(p) for p in Path(folder).rglob("*"))
+    with sub_comm(2) as comm:
+        status, errors = 2, []
+        if comm is not None:
+            status = mp.main(RESUME + ["--save", folder, "--resume", flag, str(given)], comm)
+            errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        word = flag.removeprefix("--")
+        ok = status == 2 and (world().Get_rank() != 0 or (
+            len(errors) == 1 and "holds a model" in errors[0]
+            and f"'{word}': {saved}" in errors[0] and f"'{word}': {given}" in errors[0]))
+        assert agree(ok), errors
+    assert agree(world().Get_rank() != 0 or sorted(str(p) for p in Path(folder).rglob("*")) == before)
 
 
 @pytest.mark.e2e
