@@ -21,6 +21,12 @@ whole batch and holds 1/N of every block; the N ranks share each matrix product.
      target logit, sum of exponentials): the B x T x V logits never exist on one rank.
   Replicated (checked bitwise equal): LayerNorms, positions, row-parallel biases. Vocabulary: the 128
      ASCII codes, padded to a multiple of N as Megatron pads; the padding is masked out of the softmax.
+  Checkpoints (--save, --resume) hold the whole model's tensors by the names one process gives them,
+     each rank writing its blocks: rows of the column-parallel weights and biases, columns of the
+     row-parallel ones, its vocabulary rows less the padding (qkv seen as (3, h, ..), q, k, v stacked:
+     the reference's numbers in its order, and a rank's heads one block), SGD's momentum beside each;
+     rank 0 alone writes the replicated ones. A resume at any N, sequence cut or not, asks for the
+     blocks its ranks hold at that N, cut from whichever files overlap them; padding rows start at 0.
 
 Sequence parallelism (--sequence-parallel, Korthikanti et al. 2022): between the column- and
 row-parallel regions x is cut along the sequence, rank r holding positions [rT/N, (r+1)T/N):
@@ -99,7 +105,8 @@ STRATEGY = "tensor_parallel"
 # 300 steps: 2e-6). A nudge of 1.5x it to any parameter or loss is reported above it (the tests).
 TOLERANCE = 2e-5
 # bf16, both sides under autocast: 5e-4 to 9e-4 after the tests' 4 steps at N = 1 to 4, any mode or recompute;
-# default model, 50 steps, batch 8: 4.3e-3 to 8.5e-3 at N = 1 to 4 (the most: N = 4, sequence cut). Gradients / N: 5.6e-2.
+# default model, 50 steps, batch 8: 4.3e-3 to 8.5e-3 at N = 1 to 4 (the most: N = 4, sequence cut).
+# Gradients / N: 5.6e-2.
 TOLERANCE_BF16 = 2e-2
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 VOCAB = 128  # the ASCII codes
@@ -487,8 +494,8 @@ def train(args, comm, device, model, optimizer, group, meter, past=()):
         records.append(group.timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print_progress(comm, args, step, losses[-1], records[-1])
-        checkpoint_if_due(comm, args, step, lambda: {"model": model.state_dict(), "losses": losses, "optimizer":
-                                                     optimizer.state_dict()}, model_config(args, comm.Get_size()))
+        checkpoint_if_due(comm, args, step, lambda: tensor_parallel_shard(comm, args, model, optimizer, losses),
+                          model_config(args))
     return losses, records
 
 
@@ -525,10 +532,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
                       args.recompute, args.precision)
         model, optimizer, full_params = sharded_model(args, group, run.device)
         past, resumed = [], None
-        if args.resume:
-            resumed, shard = load_checkpoint(comm, args.save, model_config(args, comm.Get_size()),
-                                             lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
-            past = restore(model, optimizer, shard) if shard is not None else []
+        if args.resume:  # any world size: each rank asks for the blocks of the slices it holds now
+            resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
+                                              lambda manifest: blocks_held(model, comm), args.steps)
+            past = restore(comm, model, optimizer, resumed, blocks) if blocks is not None else []
         print_header(comm, args, run, model, full_params, resumed)
         meter = SavedActivations(model)
         run.memory.reset()  # the peak of training, not that of building the model
@@ -678,16 +685,68 @@ def posted_before_weight_grad(events):
         n += sum(any(posted <= b and e <= waited for b, e in matmuls) for posted, waited in zip(posts, waits))
     return [n, total]
 
-def model_config(args, world_size):
-    """What the shapes of a checkpoint's slices depend on."""
+def model_config(args):
+    """The model a checkpoint holds, whatever the grid that wrote it (no world size, no padding)."""
     return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-            "seq_len": args.seq_len, "vocab": VOCAB, "padded_vocab": padded_vocab(world_size)}
+            "seq_len": args.seq_len, "vocab": VOCAB}
 
-def restore(model, optimizer, shard):
-    """This rank's slice of a checkpoint written at this world size; returns the losses so far."""
-    model.load_state_dict(shard["model"])
-    optimizer.load_state_dict(shard["optimizer"])
-    return shard["losses"]
+VOCABULARY_ROWS = ("tokens.weight", "out.weight")  # padded to a multiple of N: only VOCAB rows are saved
+
+def place_in_whole(name, p, comm):
+    """Where this rank's slice of parameter `name` lies in the whole tensor a checkpoint keeps, the
+    inverse of sliced(): (p's shape in the whole's dimensions, the whole's shape, the offset, the
+    size there). q, k and v get a dimension of their own, (3h/N, ..) seen as (3, h/N, ..), so that
+    a rank's heads are one block (the whole (3, h, ..) holds the reference's (3h, ..) in its order);
+    the vocabulary's whole is its VOCAB rows, the padding rows none of it; replicated ones are whole."""
+    view = list(p.shape)
+    if not hasattr(p, "partition"):
+        return view, view, [0] * len(view), view
+    dim, groups = p.partition
+    if groups > 1:
+        view, dim = view[:dim] + [groups, view[dim] // groups] + view[dim + 1:], dim + 1
+    offset = [comm.Get_rank() * n if d == dim else 0 for d, n in enumerate(view)]
+    whole, size = [comm.Get_size() * n if d == dim else n for d, n in enumerate(view)], list(view)
+    if name in VOCABULARY_ROWS:  # rows [r per, (r + 1) per) of the padded vocabulary, the real ones < VOCAB
+        whole[0], size[0] = VOCAB, max(0, min(view[0], VOCAB - offset[0]))
+    return view, whole, offset, size
+
+def block_of(t, view, size):
+    """What a checkpoint holds of t (a slice or its momentum, seen as `view`): all but padding rows."""
+    return t.view(view)[tuple(slice(0, n) for n in size)]
+
+def tensor_parallel_shard(comm, args, model, optimizer, losses):
+    """This rank's pieces: the blocks of its slices and of their SGD momentum, the replicated ones
+    (equal on every rank) from rank 0 alone; rank 0's state: the losses so far, the grid that wrote them."""
+    pieces = {}
+    for name, p in model.named_parameters():
+        view, whole, offset, size = place_in_whole(name, p, comm)
+        if math.prod(size) == 0 or (not hasattr(p, "partition") and comm.Get_rank() != 0):
+            continue  # padding rows alone (rank 13 of N = 14), or a replica rank 0 writes
+        for key, t in ((name, p), (f"momentum/{name}", optimizer.state[p].get("momentum_buffer"))):
+            if t is not None:
+                pieces[key] = piece(block_of(t.detach(), view, size), whole, offset)
+    grid = {"world_size": comm.Get_size(), "sequence_parallel": args.sequence_parallel}
+    return pieces, {"losses": list(losses), "grid": grid} if comm.Get_rank() == 0 else None
+
+def blocks_held(model, comm):
+    """What this rank asks a checkpoint for (load_checkpoint's wanted): the blocks of the slices it
+    holds at this world size and of their momentum, whatever the grid that wrote them."""
+    places = {name: place_in_whole(name, p, comm)[1:] for name, p in model.named_parameters()}
+    return {key: region(*place) for name, place in places.items() if math.prod(place[2])
+            for key in (name, f"momentum/{name}")}
+
+@torch.no_grad()
+def restore(comm, model, optimizer, manifest, blocks):
+    """Every slice and its momentum from its block, the vocabulary's padding rows zero (as
+    shard_model pads them; their gradient is zero, so is their momentum); returns the losses so far."""
+    for name, p in model.named_parameters():
+        view, _, _, size = place_in_whole(name, p, comm)
+        momentum = torch.zeros_like(p)
+        for key, t in ((name, p.zero_()), (f"momentum/{name}", momentum)):
+            if key in blocks:
+                block_of(t, view, size).copy_(blocks[key])
+        optimizer.state[p]["momentum_buffer"] = momentum
+    return manifest["state"]["losses"]
 
 def print_header(comm, args, run, model, full_params, resumed):
     world_size, h, padded = comm.Get_size(), args.hidden, padded_vocab(comm.Get_size())

@@ -1,8 +1,12 @@
 """tensor_parallel.py: Megatron's pieces on sub-communicators of sizes 1 to 4, then the script as launched."""
 import collections
+import contextlib
 import copy
+import io
 import json
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import tensor_parallel as tp
-from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
+from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, settle, sub_comm, world
 
 CPU = torch.device("cpu")
 # One layer against nn.Linear: the same products, sums over a few dozen terms reordered across
@@ -686,6 +690,149 @@ def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
     with pytest.raises(tp.ConfigError) as error:
         tp.parse_args(argv, world)
     assert all(w in str(error.value) for w in words), str(error.value)
+
+
+# --- Checkpoints: saved on one grid, resumed on another -------------------------------------------
+# Heads and the sequence split over 2, 3 and 4 ranks; 3 pads the vocabulary to 129 rows.
+TINY = ["--layers", "2", "--hidden", "24", "--heads", "12", "--seq-len", "12", "--batch-size", "2",
+        "--sample-chars", "0", "--json"]
+GRIDS = {"4": (4, []), "3 cut": (3, ["--sequence-parallel"]), "2": (2, [])}  # name: (world size, flags)
+
+
+def main_on(size, argv):
+    """tp.main(argv) on the first `size` ranks, its output captured: (exit status, rank 0's --json
+    object or None, rank 0's stdout and stderr), the same on every rank of the world."""
+    with sub_comm(size) as comm:
+        status, out, err = 0, io.StringIO(), io.StringIO()
+        if comm is not None:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = tp.main(argv, comm)
+        lines = out.getvalue().strip().splitlines()
+        run = json.loads(lines[-1]) if status == 0 and lines and lines[-1].startswith("{") else None
+        return world().bcast((world().allreduce(status, op=tp.MPI.MAX), run, out.getvalue(), err.getvalue()), root=0)
+
+
+def folder(tmp_path_factory, name):
+    return world().bcast(str(tmp_path_factory.mktemp(name)), root=0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Per grid, 4 steps never stopped, checkpoints after steps 2 and 4: (the --json object, the folder)."""
+    runs = {}
+
+    def get(grid):
+        if grid not in runs:
+            size, flags = GRIDS[grid]
+            save = folder(tmp_path_factory, "whole")
+            status, run, out, err = main_on(size, TINY + flags + ["--steps", "4", "--save-every", "2", "--save", save,
+                                                                  "--no-check"])
+            assert status == 0, out + err
+            runs[grid] = run, save
+        return runs[grid]
+    return get
+
+
+def checkpoint_files(path):
+    return {name: torch.load(os.path.join(path, name), weights_only=True) for name in sorted(os.listdir(path))
+            if name.endswith(".pt")}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("saved, resumed", [("4", "3 cut"), ("3 cut", "2"), ("2", "4"), ("3 cut", "3 cut")])
+def test_a_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run_there(saved, resumed, uninterrupted,
+                                                                             tmp_path_factory):
+    """Step 2's checkpoint of a run on one grid (world size, sequence cut or not), resumed on another
+    to step 4: the losses so far are the saving run's; from step 2 on, those of a run that never
+    stopped on the new grid, within TOLERANCE (bit for bit on the same grid, and so are the step-4
+    files); and --check, which trains all 4 steps in one process, passes."""
+    before, source = uninterrupted(saved)
+    whole, whole_folder = uninterrupted(resumed)
+    save = folder(tmp_path_factory, "resumed")
+    if world().Get_rank() == 0:
+        shutil.copytree(os.path.join(source, "step-000002"), os.path.join(save, "step-000002"))
+    settle()
+    size, flags = GRIDS[resumed]
+    status, run, out, err = main_on(size, TINY + flags + ["--steps", "4", "--save", save, "--resume"])
+    assert status == 0, out + err
+    assert f"resumed from {save} at step 2 (written by {GRIDS[saved][0]} ranks)" in out
+    assert run["losses"][:2] == before["losses"][:2] and run["check_max_abs_diff"] <= tp.TOLERANCE
+    if saved == resumed:
+        assert run["losses"] == whole["losses"]
+        mine, theirs = (checkpoint_files(os.path.join(f, "step-000004")) for f in (save, whole_folder))
+        assert mine.keys() == theirs.keys() and all(torch.equal(t, theirs[name][key])
+                                                     for name in mine for key, t in mine[name].items())
+    else:
+        assert max(abs(a - b) for a, b in zip(run["losses"][2:], whole["losses"][2:])) <= tp.TOLERANCE
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flag, value", [("--layers", "3"), ("--hidden", "36")])
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_naming_both(flag, value, uninterrupted,
+                                                                         tmp_path_factory):
+    """Another model on another grid: exit 2, one `error:` line with both models, nothing written."""
+    save = folder(tmp_path_factory, "another-model")
+    if world().Get_rank() == 0:
+        shutil.copytree(os.path.join(uninterrupted("2")[1], "step-000004"), os.path.join(save, "step-000004"))
+    settle()
+    status, run, out, err = main_on(3, TINY + [flag, value, "--steps", "6", "--save", save, "--resume"])
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(errors) == 1 and "holds a model" in errors[0], out + err
+    saved_value = TINY[TINY.index(flag) + 1]
+    assert f"'{flag[2:]}': {saved_value}," in errors[0] and f"'{flag[2:]}': {value}," in errors[0], errors[0]
+    assert os.listdir(save) == ["step-000004"]
+
+
+class Grid:
+    """Get_rank and Get_size of a world of any size, for the arithmetic of where slices go."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+
+def test_the_ranks_pieces_tile_every_whole_tensor_once_and_each_rank_asks_back_what_it_holds():
+    """At N = 1 to 4 and 14 (N heads; at 14 the last rank holds padding rows alone), the pieces the
+    ranks save (parameters and momentum) cover every element of each whole tensor once and equal it
+    there: the wholes are the reference model's tensors by name, q, k and v seen as (3, h, ..), the
+    vocabulary without its padding. Each rank asks for the blocks it saved (all of a replicated
+    tensor), and restore() puts them back into another model: slices, momentum, zero padding rows."""
+    for n in (1, 2, 3, 4, 14):
+        args = tp.parse_args(["--layers", "1", "--hidden", str(2 * n), "--heads", str(n)], n)
+        reference = tp.build_model(args).state_dict()
+        reference.update({f"momentum/{name}": -t for name, t in reference.items()})
+        covered = {key: torch.zeros(t.shape, dtype=torch.int64) for key, t in reference.items()}
+        for rank in range(n):
+            grid = Grid(rank, n)  # shard_model needs only the rank and the size
+            model = tp.shard_model(tp.build_model(args), tp.Group(grid, None))
+            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+            for p in model.parameters():
+                optimizer.state[p]["momentum_buffer"] = -p.detach().clone()
+            pieces, state = tp.tensor_parallel_shard(grid, args, model, optimizer, [4.5])
+            assert (state == {"losses": [4.5], "grid": {"world_size": n, "sequence_parallel": False}}) == (rank == 0)
+            for key, (t, whole, offset) in pieces.items():
+                block = tuple(slice(o, o + s) for o, s in zip(offset, t.shape))
+                covered[key].view(whole)[block] += 1
+                assert torch.equal(reference[key].view(whole)[block], t), (n, rank, key)
+            wanted = tp.blocks_held(model, grid)
+            assert {k: r for k, r in wanted.items() if r[2] != r[0]} == {
+                k: tp.region(whole, offset, t.shape) for k, (t, whole, offset) in pieces.items() if list(t.shape) != whole}
+            assert ("out.weight" in wanted) == ((n, rank) != (14, 13))  # rank 13 of 14: padding rows alone
+            blocks = {k: reference[k].view(shape)[tuple(slice(o, o + s) for o, s in zip(offset, size))]
+                      for k, (shape, offset, size) in wanted.items()}
+            other = copy.copy(args)
+            other.seed = 1
+            fresh = tp.shard_model(tp.build_model(other), tp.Group(grid, None))
+            fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=args.lr, momentum=0.9)
+            assert tp.restore(grid, fresh, fresh_optimizer, {"state": {"losses": [4.5]}}, blocks) == [4.5]
+            assert all(torch.equal(p, q) and torch.equal(fresh_optimizer.state[p]["momentum_buffer"], -q)
+                       for p, q in zip(fresh.parameters(), model.parameters()))
+        assert all(bool((c == 1).all()) for c in covered.values()), n
 
 
 def test_vocabulary_is_padded_to_a_multiple_of_the_world_size():
