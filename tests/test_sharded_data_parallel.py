@@ -1,20 +1,26 @@
 """sharded_data_parallel.py: ZeRO's pieces on sub-communicators of sizes 1 to 4, then the script
 as launched."""
+import json
+import math
+import os
 import shutil
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sharded_data_parallel as zp
-from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm
+from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
 
 CPU = torch.device("cpu")
 # hidden 10, 9 positions: the embedding layer has 1370 parameters and the head 1300, which 3 and 4
 # do not divide, so those layers are padded at N = 3 and 4.
 TINY = ["--layers", "1", "--hidden", "10", "--heads", "2", "--seq-len", "9", "--batch-size", "12"]
+# hidden 16: the layers have 2304, 3264, 3264 and 2080 elements; 2080 is padded at N = 3 (to 2082)
+SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "12"]
 STAGES = [1, 2, 3]
 PRECISIONS = ["fp32", "bf16"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -280,9 +286,125 @@ def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
         zp.parse_args(argv, world)
 
 
-# --- end to end: the script as a user launches it -------------------------------------------
+# --- checkpoints: saved on one grid (N, stage, precision), resumed on another ----------------
 
-SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "12"]
+def run_main(comm, argv, capsys):
+    """zp.main(argv) on comm, as a launch would run it: (exit status, rank 0's stdout and stderr),
+    the same on every rank of comm."""
+    status = zp.main(argv, comm)
+    out = capsys.readouterr()
+    return status, comm.bcast((out.out, out.err) if comm.Get_rank() == 0 else None, root=0)
+
+
+def tiles(manifest):
+    """Each key's pieces, over all files, cover its whole exactly once: sorted by offset, each
+    starts where the one before ends, and the last ends at the whole's size (no padding saved)."""
+    wholes, spans = {}, {}
+    for entry in manifest["files"].values():
+        for key, (whole, offset, size) in entry["pieces"].items():
+            wholes[key], spans[key] = whole, sorted(spans.get(key, []) + [(offset[0], size[0])])
+    return all(parts[0][0] == 0 and sum(parts[-1]) == wholes[key][0]
+               and all(start + size == after for (start, size), (after, _) in zip(parts, parts[1:]))
+               for key, parts in spans.items())
+
+
+# Saved after 2 steps on the first grid, resumed to 4 on the second, every size and stage on each
+# side: N down with padding (the head's 2080 elements on 3 ranks, the last partition partly
+# padding), N up, N to 1; bf16's masters are float32, as fp32's. Measured max |loss diff| from
+# the uninterrupted run on the new grid, steps 3 and 4: 0, 2.4e-7, 1.3e-5 (bf16); the check 6.4e-7,
+# 3.6e-7, 1.9e-3 (bf16).
+RESUMES = [((4, 2, "fp32"), (3, 3)), ((2, 3, "fp32"), (4, 1)), ((3, 1, "bf16"), (1, 2))]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("saved, resumed", RESUMES, ids=lambda grid: "N{}-stage{}".format(*grid))
+def test_a_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run_there(saved, resumed, tmp_path_factory,
+                                                                            capsys):
+    """2 steps on one grid write each rank's partitions as pieces of the layers' unpadded wholes,
+    every element once; 2 more on another grid, each rank reading only its new partitions: steps
+    1 and 2 are the saved run's, 3 and 4 the uninterrupted run's on the new grid within the
+    tolerance, and --check (4 steps of one process) passes."""
+    (n, stage, precision), (m, new_stage) = saved, resumed
+    limit = zp.TOLERANCE_BF16 if precision == "bf16" else zp.TOLERANCE
+    folder, flags = world().bcast(str(tmp_path_factory.mktemp("zero")), root=0), SMALL + ["--precision", precision]
+    first, ok = None, True
+    with sub_comm(n) as comm:
+        if comm is not None:
+            status, (out, _) = run_main(comm, flags + ["--steps", "2", "--zero-stage", str(stage), "--save", folder,
+                                                       "--no-check", "--json"], capsys)
+            first = json.loads(out.splitlines()[-1])["losses"] if status == 0 else None
+            ok = status == 0 and tiles(json.loads((Path(folder) / "step-000002" / "manifest.json").read_text()))
+        assert agree(ok)
+    first = world().bcast(first, root=0)
+    with sub_comm(m) as comm:
+        ok, diff = True, 0.0
+        if comm is not None:
+            argv = flags + ["--steps", "4", "--zero-stage", str(new_stage)]
+            status, (out, _) = run_main(comm, argv + ["--save", folder, "--resume", "--json"], capsys)
+            whole = run_steps(comm, argv)[0]  # the uninterrupted run on the new grid
+            run = json.loads(out.splitlines()[-1]) if status == 0 else {"losses": [math.inf] * 4}
+            diff = max(abs(a - b) for a, b in zip(run["losses"][2:], whole[2:]))
+            ok = status == 0 and f"at step 2 (written by {n} ranks) at ZeRO stage {stage}" in out
+            ok = ok and run["losses"][:2] == first and run["check_max_abs_diff"] <= limit
+        assert agree(ok), out if comm is not None else None
+        assert max_everywhere(diff) <= limit
+
+
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.mpi
+def test_on_the_same_grid_a_resume_is_bit_exact_and_a_damaged_shard_sends_every_rank_back(tmp_path_factory,
+                                                                                          capsys):
+    """N = 2, stage 3, checkpoints after steps 2 and 3 kept; rank 1's file of step 3 damaged. Each
+    rank reads only its own file, so rank 0 alone would take step 3: the loader sends both back to
+    step 2 (the resume that read every rank's file could mix two checkpoints), and the 4 losses
+    are the uninterrupted run's bit for bit, the check passing."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("zero")), root=0)
+    argv = SMALL + ["--zero-stage", "3", "--save", folder]
+    with sub_comm(2) as comm:
+        status = 0 if comm is None else run_main(comm, argv + ["--steps", "3", "--save-every", "1", "--no-check"],
+                                                 capsys)[0]
+        assert agree(status == 0)
+    if world().Get_rank() == 0:  # before the next sub_comm, which every rank enters
+        flip_a_byte(Path(folder) / "step-000003" / "rank-1.pt")
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            status, (out, _) = run_main(comm, argv + ["--steps", "4", "--resume", "--json"], capsys)
+            whole = run_steps(comm, SMALL + ["--zero-stage", "3", "--steps", "4"])[0]
+            run = json.loads(out.splitlines()[-1]) if status == 0 else {}
+            ok = status == 0 and "step-000003 is damaged" in out and "resuming from" in out
+            ok = ok and "at step 2 (written by 2 ranks)" in out and run["losses"] == whole
+            ok = ok and run["check_max_abs_diff"] <= zp.TOLERANCE
+        assert agree(ok), out if comm is not None else None
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_that_names_both(tmp_path_factory, capsys):
+    """Saved with 2 blocks on 1 rank, resumed with 3 on 2: exit status 2 on every rank, one error
+    line with both models, and nothing written (the folder holds the one checkpoint)."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("zero")), root=0)
+    with sub_comm(1) as comm:
+        status = 0 if comm is None else run_main(comm, SMALL + ["--steps", "1", "--save", folder, "--no-check"],
+                                                 capsys)[0]
+        assert agree(status == 0)
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            status, (_, err) = run_main(comm, SMALL + ["--layers", "3", "--steps", "2", "--save", folder,
+                                                       "--resume"], capsys)
+            lines = [line for line in err.splitlines() if line.strip()]
+            ok = status == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+            ok = ok and "holds a model" in lines[0] and "'layers': 2" in lines[0] and "'layers': 3" in lines[0]
+            ok = ok and sorted(os.listdir(folder)) == ["step-000001"]
+        assert agree(ok), err if comm is not None else None
+
+
+# --- end to end: the script as a user launches it -------------------------------------------
 
 
 @pytest.mark.e2e
@@ -320,16 +442,23 @@ def test_without_overlap_nothing_is_prefetched_or_started_in_backward():
 # library may add to one stage and not the other.
 MEMORY = ["--layers", "8", "--hidden", "256", "--heads", "4", "--batch-size", "8", "--seq-len", "32",
           "--steps", "2", "--no-check", "--json"]
-# Above the formula, the process's own temporaries: 5.6 to 7.2 MB in float32 (peaks 80.0, 66.8, 52.6
-# MB at stages 1, 2, 3), 8.1 to 8.9 MB in bf16 (71.6, 59.3, 49.0 MB), N = 4, on a loaded machine.
-PEAK_OVER_FORMULA_BYTES = 12e6
+# Above the formula, the process's own temporaries, N = 4, by the kind of CPU (it decides how
+# torch runs bf16 matmuls):
+#   AVX2 (no bf16 instructions): float32 5.6 to 7.2 MB (peaks 80.0, 66.8, 52.6 MB at stages 1, 2, 3);
+#     bf16 8.1 to 8.9 MB (71.6, 59.3, 49.0 MB);
+#   AVX-512 BF16 (oneDNN runs bf16 natively, with scratch memory of its own): float32 5.7 to 7.3 MB;
+#     bf16 18.8 to 19.2 MB (82.4, 69.6, 59.6 MB against formulas of 63.3, 50.4, 40.8 MB).
+# The bound is per precision, with room on both kinds: what the test proves is that the peaks fall
+# with the stage and hold at least the model states the formula counts, not the temporaries' size.
+PEAK_OVER_FORMULA_BYTES = {"fp32": 12e6, "bf16": 24e6}
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_measured_peak_memory_falls_with_the_stage(precision):
     """bf16 as float32: the peaks fall with the stage, each at least the model states the formula
-    counts and within PEAK_OVER_FORMULA_BYTES above the whole formula (activations measured)."""
+    counts and within PEAK_OVER_FORMULA_BYTES[precision] above the whole formula (activations
+    measured)."""
     peaks, results = [], []
     for stage in STAGES:
         results.append(last_json(launch("sharded_data_parallel.py", 4, *MEMORY, "--zero-stage", stage,
@@ -339,15 +468,15 @@ def test_the_measured_peak_memory_falls_with_the_stage(precision):
     for result, peak in zip(results, peaks):  # at least what the formula says a rank keeps
         formula = result["memory_bytes_formula"]
         assert peak >= formula["parameters"] + formula["gradients"] + formula["optimizer"], (peak, formula)
-        assert peak <= formula["total"] + PEAK_OVER_FORMULA_BYTES, (peak, formula)
+        assert peak <= formula["total"] + PEAK_OVER_FORMULA_BYTES[precision], (peak, formula)
     assert results[1]["overlap"] == {"reduce_scatters_started_in_backward": [10, 10]}
 
 
 @pytest.mark.e2e
 def test_checkpoints_resume_bit_exact_at_the_same_world_size_and_at_any_other(tmp_path):
-    """4 ranks at stage 2 write shards at steps 3 and 6; from step 3, 4 ranks again give the same
-    losses and shards bit for bit, and 3 ranks at stage 3 (shards re-cut) the same losses within
-    the tolerance."""
+    """4 ranks at stage 2 write shards at steps 3 and 6, each file {key: tensor} with its rank's
+    partition of every layer's vectors; from step 3, 4 ranks again give the same losses and files
+    bit for bit, and 3 ranks at stage 3 (partitions re-cut) the same losses within the tolerance."""
     run = ["sharded_data_parallel.py"]
     flags = SMALL + ["--steps", "6", "--save-every", "3", "--no-check", "--json"]
     whole = last_json(launch(*run, 4, *flags, "--save", tmp_path / "a", "--zero-stage", "2"))
@@ -358,10 +487,11 @@ def test_checkpoints_resume_bit_exact_at_the_same_world_size_and_at_any_other(tm
     same = last_json(launch(*run, 4, *flags, "--save", tmp_path / "a", "--resume", "--zero-stage", "2"))
     assert same["losses"] == whole["losses"]
     again = {p.name: torch.load(p, weights_only=True) for p in (tmp_path / "a" / "step-000006").glob("*.pt")}
-    assert again.keys() == after.keys()
+    assert again.keys() == after.keys() == {f"rank-{r}.pt" for r in range(4)}
     for name in after:
-        for a, b in zip(after[name]["layers"], again[name]["layers"]):
-            assert all(torch.equal(a[k], b[k]) for k in ("params", "exp_avg", "exp_avg_sq"))
+        assert after[name].keys() == again[name].keys() == {
+            f"{prefix}layers.{i}.params" for i in range(4) for prefix in ("", "exp_avg/", "exp_avg_sq/")}
+        assert all(torch.equal(after[name][k], again[name][k]) for k in after[name])
     other = launch(*run, 3, *flags, "--save", tmp_path / "b", "--resume", "--zero-stage", "3")
     assert "resumed from" in other.stdout and "(written by 4 ranks)" in other.stdout
     other = last_json(other)
