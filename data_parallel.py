@@ -34,7 +34,7 @@ non-blocking collective forward only while the process is inside an MPI call, so
 (Test) every pending bucket; MPIR_CVAR_ASYNC_PROGRESS=1 gives MPICH a progress thread instead,
 which pays off only with a spare core per rank. With the default 25 MB buckets this small network
 is a single bucket, which can only start after the last gradient: pass a smaller --bucket-mb to
-see overlap (the README's Results say how much of it this machine's MPI delivered). The run counts
+see overlap (docs/results.md says how much of it this machine's MPI delivered). The run counts
 a bucket as overlapped only if its allreduce was posted before backward computed a later gradient,
 so the last bucket never counts and the default prints 0/1.
 
@@ -287,9 +287,10 @@ def replicate(args, comm, device, sync_bn_comm=None):
     return model, optimizer, buckets
 
 
-def train_step(model, optimizer, buckets, images, labels, accum_steps, timeline, precision="fp32"):
-    """One optimizer step on this rank's slice, cut into accum_steps micro-batches. In bf16,
-    forward and loss under autocast; backward outside it (it follows the forward's casts)."""
+def train_step(model, optimizer, buckets, images, labels, accum_steps, timeline, precision="fp32", clip=0.0):
+    """One optimizer step on this rank's slice, cut into accum_steps micro-batches; returns the loss
+    and the gradient norm. In bf16, forward and loss under autocast; backward outside it (it
+    follows the forward's casts)."""
     optimizer.zero_grad(set_to_none=False)
     total = torch.zeros((), device=images.device)
     for k in range(accum_steps):
@@ -307,8 +308,9 @@ def train_step(model, optimizer, buckets, images, labels, accum_steps, timeline,
         else:
             buckets.reduce(backward)
     with timeline.span("compute", "optimizer"):
+        norm = clip_gradients(model, clip)
         optimizer.step()
-    return total.item()
+    return total.item(), norm.item()
 
 
 # -----------------------------------------------------------------------------
@@ -383,11 +385,29 @@ def autocast(device, precision):
 
 
 def learning_rate(args, step):
-    """Depends on the step only. --scale-lr: Goyal et al.'s linear scaling rule with warm-up."""
+    """A function of the step alone, so a resumed run continues it. The peak: --lr, or with --scale-lr
+    Goyal et al.'s linear scaling rule, reached by a linear warm-up from --lr (without it, from 0 as
+    in a GPT's recipe). After the warm-up, constant, or a cosine towards a tenth of the peak."""
     peak = args.lr * args.batch_size / args.base_batch if args.scale_lr else args.lr
-    if args.warmup_steps and step < args.warmup_steps:
-        return args.lr + (peak - args.lr) * step / args.warmup_steps
-    return peak
+    if step < args.warmup_steps:
+        low = args.lr if args.scale_lr else 0.0
+        return low + (peak - low) * (step + (0 if args.scale_lr else 1)) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return peak
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return peak / 10 + 0.45 * peak * (1 + math.cos(math.pi * progress))
+
+
+def clip_gradients(model, max_norm):
+    """The global gradient norm, in float32, and the clip to max_norm (0: none). After the allreduce
+    every rank holds the same averaged gradient, so the norm needs no exchange: a norm of a rank's
+    own gradient before it would be a different number on every rank, and the replicas would part."""
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()]))
+    if max_norm:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for p in model.parameters():
+            p.grad.mul_(scale)
+    return norm
 
 
 def accuracy(model, seed, device):
@@ -402,27 +422,29 @@ def accuracy(model, seed, device):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, device, model, optimizer, buckets, timeline, past=(), world_sizes=()):
-    """The steps after the `past` ones (their global losses, from a checkpoint). Returns this
-    rank's losses of the new steps and their timings."""
+def train(args, comm, device, model, optimizer, buckets, timeline, past=(), world_sizes=(), norms=()):
+    """The steps after the `past` ones (their global losses and gradient norms, from a checkpoint).
+    Returns this rank's losses of the new steps, every step's gradient norm and the timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
-    losses, records = [], []
+    losses, records, norms = [], [], list(norms)
     for step in range(len(past), args.steps):
         start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step)
         images, labels = make_batch(args.seed, step, args.batch_size)
         images, labels = slice_of(images.to(device), labels.to(device), rank, world_size)
-        losses.append(train_step(model, optimizer, buckets, images, labels, args.accum_steps, timeline,
-                                 args.precision))
+        loss, norm = train_step(model, optimizer, buckets, images, labels, args.accum_steps, timeline,
+                                args.precision, args.clip_grad)
+        losses.append(loss)
+        norms.append(norm)
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
-            print_progress(comm, args, step, mean_loss, records[-1])
+            print_progress(comm, args, step, mean_loss, records[-1], norm)
         checkpoint_if_due(comm, args, step, lambda: data_parallel_shard(
             comm, model, optimizer, list(past) + global_losses(comm, losses),
-            list(world_sizes) + [world_size] * len(losses)), {"model": "LeNet-5+BN"})
-    return losses, records
+            list(world_sizes) + [world_size] * len(losses), norms), {"model": "LeNet-5+BN"})
+    return losses, records, norms
 
 
 def global_losses(comm, losses):
@@ -453,15 +475,15 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         model, optimizer, buckets = replicate(args, counted["gradients"], run.device, counted["syncbn"])
         for c in counted.values():
             c.reset()  # count the training steps only
-        past, world_sizes, resumed = [], [], None
+        past, world_sizes, norms, resumed = [], [], [], None
         if args.resume:
             resumed, blocks = load_checkpoint(comm, args.save, {"model": "LeNet-5+BN"}, everything_saved, args.steps)
             if blocks is not None:
-                past, world_sizes = restore(comm, model, optimizer, resumed, blocks)
+                past, world_sizes, norms = restore(comm, model, optimizer, resumed, blocks)
         print_header(comm, args, run, model, buckets, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
-        losses, records = train(args, comm, run.device, model, optimizer, buckets, run.timeline,
-                                past, world_sizes)
+        losses, records, norms = train(args, comm, run.device, model, optimizer, buckets, run.timeline,
+                                       past, world_sizes, norms)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
@@ -472,10 +494,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     if len(set(comm.allgather(checksum(model)))) != 1:
         raise RuntimeError("model replicas diverged")
     world_sizes += [comm.Get_size()] * (args.steps - len(world_sizes))
-    diff = check(comm, args, run.device, losses, model, world_sizes) if args.check else None
+    diff = check(comm, args, run.device, losses, norms, model, world_sizes) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, model, buckets, losses, records, counted, diff)
+    return report(comm, args, run, model, buckets, losses, norms, records, counted, diff)
 
 
 # =============================================================================
@@ -506,7 +528,7 @@ def reference_training(args, world_sizes, device):
     """
     model = build_model(args.seed, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    k_steps, losses = args.accum_steps, []
+    k_steps, losses, norms = args.accum_steps, [], []
     for step in range(args.steps):
         world_size = world_sizes[step]
         for group in optimizer.param_groups:
@@ -542,16 +564,18 @@ def reference_training(args, world_sizes, device):
                     acc += b
             for b, acc in zip(model.buffers(), after):
                 b.copy_(acc / world_size if b.is_floating_point() else b)
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
         optimizer.step()
         losses.append(total)
-    return losses, model
+    return losses, norms, model
 
-def check(comm, args, device, losses, model, world_sizes):
+def check(comm, args, device, losses, norms, model, world_sizes):
     """Rank 0 trains the reference (the replicated model fits where one rank's does) and
-    compares; every rank gets the largest difference."""
+    compares the losses, gradient norms and parameters; every rank gets the largest difference."""
     diff = None
     if comm.Get_rank() == 0:
-        diff = max_difference(losses, model.state_dict(), *reference_training(args, world_sizes, device))
+        ref_losses, ref_norms, ref_model = reference_training(args, world_sizes, device)
+        diff = max_difference(losses + norms, model.state_dict(), ref_losses + ref_norms, ref_model)
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(POLL_S)  # the other ranks leave the cores to rank 0, which trains the reference
@@ -570,7 +594,7 @@ def print_header(comm, args, run, model, buckets, resumed):
            f"x {args.batch_size // (comm.Get_size() * args.accum_steps)} | BatchNorm: "
            f"{'synchronized over ranks' if args.sync_bn else 'per rank'}")
 
-def report(comm, args, run, model, buckets, losses, records, counted, diff):
+def report(comm, args, run, model, buckets, losses, norms, records, counted, diff):
     """The summary, the check's verdict and --json; returns the exit status."""
     world_size, steps_run = comm.Get_size(), max(1, len(records))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -585,7 +609,8 @@ def report(comm, args, run, model, buckets, losses, records, counted, diff):
            + (f" | sync-BN: {calls['syncbn']:g} allreduces, {volume['syncbn']:,.0f} bytes/step"
               if args.sync_bn else "")]
     overlap = {"buckets_posted_before_later_gradients": posted_in_time(buckets)}
-    return finish(comm, args, run, losses, records, diff, "losses, parameters, buffers", lines, {
+    return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters, buffers", lines, {
+        "grad_norms": norms,
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "accuracy": acc, "grad_bytes": grad_bytes, "ring_bytes_per_rank": ring,
         "buckets": len(buckets.buckets), "overlap": overlap, "sync_bn": args.sync_bn})
@@ -606,8 +631,17 @@ def parse_args(argv, world_size):
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks")
     p.add_argument("--scale-lr", action="store_true", help="linear scaling rule: lr x batch-size / base-batch")
     p.add_argument("--base-batch", type=COUNT, default=32, help="the batch --lr was tuned for")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up from --lr")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0,
+                   help="linear warm-up: from --lr to the scaled peak with --scale-lr, else from 0 to --lr")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after the warm-up: constant, or a cosine towards a tenth of the peak, reached after the last step")
+    p.add_argument("--clip-grad", type=float, default=0.0, metavar="MAX_NORM",
+                   help="clip the global gradient norm to MAX_NORM (0: no clipping)")
     args = check_common(p.parse_args(argv))
+    if not args.clip_grad >= 0 or args.warmup_steps >= args.steps > 0 < args.warmup_steps:
+        raise ConfigError(f"--clip-grad {args.clip_grad:g} must be 0 (off) or more" if not args.clip_grad >= 0 else
+                          f"--warmup-steps {args.warmup_steps} leaves no step after the warm-up of --steps "
+                          f"{args.steps}; use fewer warm-up steps")
     if args.recompute != "none":
         raise ConfigError(f"--recompute {args.recompute}: data_parallel.py's LeNet-5 has no transformer "
                           f"blocks to recompute; leave --recompute at none")
@@ -618,7 +652,7 @@ def parse_args(argv, world_size):
                           f"e.g. {slices}, {2 * slices}, {3 * slices}")
     return args
 
-def data_parallel_shard(comm, model, optimizer, losses, world_sizes):
+def data_parallel_shard(comm, model, optimizer, losses, world_sizes, norms):
     """What rank 0 saves: the model, SGD's momentum, every rank's BatchNorm statistics (they differ
     without --sync-bn), and as state the losses so far and the world size of each step. Collective."""
     buffers = torch.cat([b.reshape(-1) for b in model.buffers() if b.is_floating_point()]).cpu()
@@ -630,12 +664,12 @@ def data_parallel_shard(comm, model, optimizer, losses, world_sizes):
     pieces.update({f"momentum/{name}": piece(optimizer.state[p]["momentum_buffer"])
                    for name, p in model.named_parameters() if optimizer.state[p].get("momentum_buffer") is not None})
     pieces["buffers_per_rank"] = piece(every)
-    return pieces, {"losses": list(losses), "world_sizes": list(world_sizes)}
+    return pieces, {"losses": list(losses), "world_sizes": list(world_sizes), "grad_norms": list(norms)}
 
 def restore(comm, model, optimizer, manifest, blocks):
     """Load a data-parallel checkpoint at any world size: the model is replicated (rank 0 reads the
     one file and broadcasts it). Each rank takes its own BatchNorm statistics when the world size is
-    unchanged, else their mean. Returns the losses so far and the world size of each of those steps."""
+    unchanged, else their mean. Returns the losses so far, each step's world size and gradient norm."""
     model.load_state_dict({name: blocks[name] for name in model.state_dict()})
     for name, p in model.named_parameters():
         if f"momentum/{name}" in blocks:
@@ -646,7 +680,7 @@ def restore(comm, model, optimizer, manifest, blocks):
     for b in (b for b in model.buffers() if b.is_floating_point()):
         b.copy_(row[offset:offset + b.numel()].view_as(b))
         offset += b.numel()
-    return manifest["state"]["losses"], manifest["state"]["world_sizes"]
+    return manifest["state"]["losses"], manifest["state"]["world_sizes"], manifest["state"]["grad_norms"]
 
 def everything_saved(manifest):
     """What a resuming rank asks for, whatever the world size that saved: all of rank 0's one file."""
@@ -662,9 +696,10 @@ def max_difference(losses, state, ref_losses, ref_model):
     return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: progress, the summary and --json, --trace -----------------------
-def print_progress(comm, args, step, loss, record):
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
-                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+def print_progress(comm, args, step, loss, record, norm=None):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | " + (f"norm {norm:.4f} | " if norm is not None else "")
+           + f"{record['step_s'] * 1e3:.1f} ms/step | comm {record['comm_s'] * 1e3:.1f} ms | "
+             f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
 def finish(comm, args, run, losses, records, diff, compared, lines, keys):
     """The summary: the file's own `lines`, the split of a step (medians over the steps after the
@@ -754,14 +789,12 @@ def fsync_folder(path):  # the names a folder holds, made durable as its files' 
     os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard, (pieces, state) from make_shard, goes into root/.tmp-step-N: pieces maps a
-    name to (tensor, the whole's shape, where the tensor starts in it), see piece(); state (small,
-    JSON) is kept from the first rank that gives one. Rank 0 then writes the manifest, the index of
-    which file holds which region of which tensor, and renames the folder to step-N (files and
-    folder fsynced before, the parent after): a job killed before the rename leaves the previous
-    checkpoint as it was. A region that an earlier file holds already (a replicated parameter) is
-    left out of the index. A write that fails on any rank (a full disk) ends the job on every rank
-    with one line, the previous checkpoint whole."""
+    """Each rank's shard, (pieces, state): pieces {key: piece(...)}, state a small JSON dict (the
+    first rank's that gives one is kept), goes into root/.tmp-step-N. Rank 0 writes the manifest, the
+    index of which file holds which block of which tensor (a block an earlier file holds, replicated,
+    left out), and renames the folder to step-N, fsynced before and the parent after: a job killed
+    before the rename leaves the previous checkpoint as it was. A write that fails on any rank (a
+    full disk) ends the job on every rank with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
     pieces, state = shard
     files, error = {}, None
@@ -811,8 +844,8 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def piece(tensor, shape=None, offset=None):
-    """A tensor as a checkpoint holds it: a CPU copy (a view would save its whole storage), the
-    shape of the whole it is a block of, and the index where it starts in each dimension."""
+    """A tensor as a checkpoint holds it: a CPU copy (not a view of a larger storage), the shape of
+    the whole it is a block of, and where it starts in each dimension."""
     copy = tensor.detach().cpu().clone()
     return copy, list(shape or copy.shape), list(offset or [0] * copy.dim())
 
@@ -881,11 +914,10 @@ def assemble(manifest, wanted, tensors):
 
 def load_checkpoint(comm, root, config, wanted, steps):
     """The newest checkpoint whose every file that some rank needs is whole: its manifest and the
-    blocks this rank asked for, wanted(manifest) = {key: region(...)}, each cut from the pieces
-    that overlap it, whatever the grid that wrote them; (None, None) when root holds none yet (a
-    batch job's first run). Every rank's blocks come from that one checkpoint: a damaged file
-    makes all ranks fall back together to the one before, and rank 0 says which and why. One that
-    does not fit this run (another strategy, model or tensor shape) is a ConfigError on every rank."""
+    blocks this rank asks for, wanted(manifest) = {key: region(...)}, cut from the pieces that overlap
+    them whatever the grid that wrote them; (None, None) when root holds none yet (a first run). All
+    ranks take theirs from that one checkpoint: a damaged file makes every rank fall back to the one
+    before, and rank 0 says why. One that does not fit this run is a ConfigError on every rank."""
     found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
     if not found:
         print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
@@ -1078,18 +1110,23 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_CO
                         "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID", "SLURM_LOCALID")
 # How many ranks the launcher started: PMI (MPICH, srun --mpi=pmi2), Open MPI, MVAPICH; last, srun's
 # count of a step whose ranks it started itself (srun --mpi=pmix sets no size of PMIx's own).
-WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE", "SLURM_STEP_NUM_TASKS")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PALS_RANKID", "FLUX_TASK_RANK", "SLURM_PROCID")
 
 def launcher_local_rank():
     """This rank's index on its node, as the launcher tells it."""
     return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
 
 def check_one_job(world_size):
-    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused."""
+    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused before
+    anything is written, in one line from the launcher's rank 0 alone (each job's rank 0 would say it)."""
     told = next((v for v in WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), None)
     if told and int(os.environ[told]) > 1 and world_size == 1:
-        raise ConfigError(f"the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would train "
-                          f"alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or rebuild mpi4py")
+        if next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v, "").isdigit()), "0") == "0":
+            print(f"error: the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would "
+                  f"train alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or "
+                  f"rebuild mpi4py", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 def node_cores(node):
     """The cores the ranks of this node may run on, together (their affinity, e.g. a Slurm cgroup)."""
@@ -1116,7 +1153,6 @@ def setup(comm, args):
     """This rank's device, whether MPI reads its memory, the timeline, the memory meter, and the
     header's facts."""
     global CUDA_AWARE, SLEEP_WHILE_WAITING
-    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     launcher = launcher_local_rank()
@@ -1130,7 +1166,7 @@ def setup(comm, args):
         device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
-        CUDA_AWARE = mpi_cuda_aware(comm)
+        CUDA_AWARE, decided = mpi_cuda_aware(comm)
         if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
             try:
                 torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
@@ -1139,7 +1175,7 @@ def setup(comm, args):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic = True
             torch.use_deterministic_algorithms(True, warn_only=True)
-        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        transport = f"{'direct (CUDA-aware MPI' if CUDA_AWARE else 'staged through host memory ('}{decided})"
         uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
         if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
             notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
@@ -1155,29 +1191,43 @@ def setup(comm, args):
     return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies is
-    refused); else MPI 4.1's mpi_memory_alloc_kinds if it lists cuda; else MPIX_Query_cuda_support."""
+    """Can MPI read GPU memory, and how was that decided? MPI_CUDA_AWARE=1|0 when set, no library
+    probed (a debug MPICH before 4.0 asserts in its query); a 1 the memory kinds contradict is a
+    warning (Open MPI without CUDA over a CUDA UCX lists none, and reads GPU memory). Unset: MPI 4.1's
+    memory kinds; Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1 with its GTL library loaded; else
+    MPIX_Query_cuda_support, whose yes in Open MPI 4 tells only how the library was built."""
     try:
         kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
     except (MPI.Exception, NotImplementedError, AttributeError):
         kinds = None
-    says = True if kinds is not None and cuda_in_kinds(kinds) else mpix_query_cuda_support()  # not listed: unknown
     forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced == "1" and says is False:
-        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
-                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
-                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
-    return forced == "1" if forced in ("0", "1") else bool(says)
+    if forced in ("0", "1"):
+        doubt = forced == "1" and kinds is not None and not cuda_in_kinds(kinds)
+        return forced == "1", f"MPI_CUDA_AWARE={forced}" + (f"; warning: the library's memory kinds "
+                                                           f"({kinds}) list no cuda" if doubt else "")
+    if kinds is not None and cuda_in_kinds(kinds):
+        return True, f"memory kinds {kinds}"
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1" and mpi_libraries_loaded("libmpi_gtl_cuda"):
+        return True, "Cray MPICH: MPICH_GPU_SUPPORT_ENABLED=1, its GTL library loaded"
+    says = mpix_query_cuda_support()
+    if says and mpi_library().startswith("Open MPI v4"):
+        return True, ("probably: Open MPI 4's MPIX_Query_cuda_support says how it was built, not what its "
+                      "transport can do; MPI_CUDA_AWARE=0 stages")
+    return bool(says), "MPIX_Query_cuda_support" if says is not None else "no sign of CUDA support"
 
 def cuda_in_kinds(kinds):
     """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
     at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
     return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
 
+def mpi_libraries_loaded(name="libmpi"):
+    """The paths of the libraries loaded in this process whose path holds name (Linux)."""
+    maps = "/proc/self/maps"
+    return sorted({line.split()[-1] for line in open(maps) if name in line} if os.path.exists(maps) else [])
+
 def mpix_query_cuda_support():
     """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
-    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
-    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+    for path in mpi_libraries_loaded():
         query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
         if query is not None:
             return bool(query())
@@ -1274,7 +1324,9 @@ def check_common(args):
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
-    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates.
+    First of all, N one-rank jobs are refused: they would write N probes in one folder."""
+    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     rank, error = comm.Get_rank(), None
     try:
         if args.save:

@@ -19,17 +19,23 @@ def counted(comm):
 
 
 def run_steps(comm, argv):
-    """Train on comm as the script does; returns the global losses, the final model (running
-    statistics averaged) and the counted communicator of the gradients."""
+    """Train on comm as the script does; returns the global losses followed by the gradient norms,
+    the final model (running statistics averaged) and the counted communicator of the gradients."""
     args = dp.parse_args(argv, comm.Get_size())
     timeline = dp.Timeline(CPU)
     grads, syncbn = dp.CountedComm(comm, timeline), dp.CountedComm(comm, timeline)
     model, optimizer, buckets = dp.replicate(args, grads, CPU, syncbn)
     grads.reset()
-    losses, _ = dp.train(args, comm, CPU, model, optimizer, buckets, timeline)
+    losses, _, norms = dp.train(args, comm, CPU, model, optimizer, buckets, timeline)
     if not args.sync_bn:
         dp.average_buffers(model, comm)
-    return dp.global_losses(comm, losses), model, grads
+    return dp.global_losses(comm, losses) + norms, model, grads
+
+
+def reference(argv, world_sizes):
+    """The one-process reference's losses followed by its gradient norms, and its model."""
+    losses, norms, model = dp.reference_training(dp.parse_args(argv, world_sizes[0]), world_sizes, CPU)
+    return losses + norms, model
 
 
 @pytest.mark.mpi
@@ -153,7 +159,7 @@ def test_training_steps_equal_the_single_process_reference(size, flags, precisio
         if comm is not None:
             argv = ["--steps", "3", "--batch-size", "24", "--precision", precision] + flags
             losses, model, _ = run_steps(comm, argv)
-            ref_losses, ref_model = dp.reference_training(dp.parse_args(argv, size), [size] * 3, CPU)
+            ref_losses, ref_model = reference(argv, [size] * 3)
             diff = dp.max_difference(losses, model.state_dict(), ref_losses, ref_model)
         assert max_everywhere(diff) <= limit(precision)
 
@@ -167,15 +173,15 @@ def test_the_check_catches_a_difference_just_above_its_tolerance(precision):
         if comm is not None:
             argv = ["--steps", "2", "--batch-size", "8", "--precision", precision]
             losses, model, _ = run_steps(comm, argv)
-            reference = dp.reference_training(dp.parse_args(argv, 2), [2, 2], CPU)
+            expected = reference(argv, [2, 2])
             state = model.state_dict()
-            caught = dp.max_difference(losses, state, *reference) <= tolerance
+            caught = dp.max_difference(losses, state, *expected) <= tolerance
             for name, t in state.items():
                 if t.is_floating_point():
                     nudged = dict(state, **{name: t + 1.5 * tolerance * (torch.arange(t.numel()) == t.numel() // 2).view_as(t)})
-                    caught = caught and dp.max_difference(losses, nudged, *reference) > tolerance
-            caught = caught and dp.max_difference([losses[0], losses[1] + 1.5 * tolerance], state,
-                                                  *reference) > tolerance
+                    caught = caught and dp.max_difference(losses, nudged, *expected) > tolerance
+            caught = caught and dp.max_difference([losses[0], losses[1] + 1.5 * tolerance, *losses[2:]], state,
+                                                  *expected) > tolerance
         assert agree(caught)
 
 
@@ -194,7 +200,7 @@ def test_a_gradient_divided_once_more_by_n_fails_the_bf16_check(plant, monkeypat
         if comm is not None:
             argv = ["--steps", "3", "--batch-size", "24", "--precision", "bf16"]
             losses, model, _ = run_steps(comm, argv)
-            diff = dp.max_difference(losses, model.state_dict(), *dp.reference_training(dp.parse_args(argv, 2), [2] * 3, CPU))
+            diff = dp.max_difference(losses, model.state_dict(), *reference(argv, [2] * 3))
         diff = max_everywhere(diff)
         assert diff > dp.TOLERANCE_BF16 if plant else diff <= dp.TOLERANCE_BF16, diff
 
@@ -289,6 +295,51 @@ def test_learning_rate_scaling_and_warmup():
                           "--warmup-steps", "4"], 1)
     assert [round(dp.learning_rate(args, s), 6) for s in range(6)] == [0.1, 0.175, 0.25, 0.325, 0.4, 0.4]
     assert dp.learning_rate(dp.parse_args(["--lr", "0.1"], 1), 0) == 0.1
+    cosine = dp.parse_args(["--lr", "0.1", "--warmup-steps", "2", "--lr-schedule", "cosine", "--steps", "6"], 1)
+    assert [round(dp.learning_rate(cosine, s), 6) for s in range(6)] == [0.05, 0.1, 0.1, 0.08682, 0.055, 0.02318]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", SIZES)
+def test_the_recipe_clipping_active_with_a_cosine_schedule_equals_the_reference(size):
+    """--clip-grad below every step's norm, so that it acts, and warm-up then cosine: the losses, the
+    norms (the ranks' and torch's clip_grad_norm_'s) and the parameters as one process's."""
+    with sub_comm(size) as comm:
+        diff, norms = 0.0, [1.0]
+        if comm is not None:
+            argv = ["--steps", "4", "--batch-size", "24", "--clip-grad", "0.05", "--lr-schedule", "cosine",
+                    "--warmup-steps", "1", "--accum-steps", "2" if size < 3 else "1"]
+            losses, model, _ = run_steps(comm, argv)
+            norms = losses[4:]
+            diff = dp.max_difference(losses, model.state_dict(), *reference(argv, [size] * 4))
+        assert max_everywhere(diff) <= dp.TOLERANCE and agree(min(norms) > 0.05), (diff, norms)
+
+
+@pytest.mark.mpi
+def test_a_norm_taken_before_the_allreduce_fails_the_check(monkeypatch):
+    """The planted bug: each rank clips by the norm of its own gradient, before the average: the
+    replicas step apart and the check sees it."""
+    reduce, local = dp.GradBuckets.reduce, []
+
+    def norm_then_reduce(self, backward):
+        def backward_and_norm():
+            backward()
+            local[:] = [torch.linalg.vector_norm(torch.stack([p.grad.norm() for b in self.buckets for p in b]))]
+        return reduce(self, backward_and_norm)
+
+    def clip_by_the_local_norm(model, max_norm):
+        for p in model.parameters():
+            p.grad.mul_((max_norm / (local[0] + 1e-6)).clamp(max=1.0))
+        return local[0]
+    monkeypatch.setattr(dp.GradBuckets, "reduce", norm_then_reduce)
+    monkeypatch.setattr(dp, "clip_gradients", clip_by_the_local_norm)
+    with sub_comm(2) as comm:
+        diff = 0.0
+        if comm is not None:
+            argv = ["--steps", "3", "--batch-size", "24", "--clip-grad", "0.05", "--no-overlap"]
+            losses, model, _ = run_steps(comm, argv)
+            diff = dp.max_difference(losses, model.state_dict(), *reference(argv, [2] * 3))
+        assert max_everywhere(diff) > 10 * dp.TOLERANCE, diff
 
 
 @pytest.mark.parametrize("argv, world, words", [
@@ -301,6 +352,9 @@ def test_learning_rate_scaling_and_warmup():
     (["--no-such-flag"], 1, "unrecognized arguments"),
     (["--recompute", "full"], 1, "LeNet-5 has no transformer blocks to recompute"),
     (["--recompute", "selective"], 1, "LeNet-5 has no transformer blocks to recompute"),
+    (["--clip-grad", "-1"], 1, "--clip-grad -1 must be 0"),
+    (["--warmup-steps", "10", "--steps", "10"], 1, "--warmup-steps 10 leaves no step after the warm-up"),
+    (["--lr-schedule", "linear"], 1, "invalid choice"),
 ])
 def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
     with pytest.raises(dp.ConfigError, match=words):
