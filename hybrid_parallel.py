@@ -75,6 +75,12 @@ Memory per rank, W_r its stage's parameters (its share of the T-way split, its X
   block: none bsh(8/c + 2e + 12e/t) + 16bs/c + Y; selective without Y; full 4bsh/c, its float32 input. Y: (4, in bf16
   6)abs^2/t + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t + 4abs/t (the ring's output, lse) at C > 1. Once:
   9bs + 8s/c on the first stage, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded); min(M, P - s) of them.
+Checkpoints (--save, --resume): the whole model's tensors by one process's names and shapes, in blocks (blocks_held),
+each with its SGD momentum, each element written once: by data rank 0 of the D x C that hold it (an expert's, the first
+of its D x C / E), its tensor slices by each of the T ranks, what they hold whole by tensor rank 0; ZeRO-1's momentum
+all-gathered over the n ranks first. A resume on any grid asks for the blocks its ranks hold there, cut from whichever
+files overlap them; ZeRO-1 cuts slice r of each bucket again, the padding starts at zero, the losses come with the step.
+Experts: which sequences share a balancing loss or a capacity is the grid's (D, M): --check replays each step's grid.
 
 When to choose it: the model outgrows a node, or the sequence a device: tensor in a node, context next, pipeline across
 nodes, data parallelism over the replicas left; experts when parameters must grow and compute not.
@@ -235,7 +241,7 @@ def shard(t, dim, comm, groups=1, padded=None):
         t = torch.cat([t, t.new_zeros(t.shape[:dim] + (padded - t.size(dim),) + t.shape[dim + 1:])], dim)
     rank, size = comm.Get_rank(), comm.Get_size()
     param = nn.Parameter(torch.cat([part.chunk(size, dim)[rank] for part in t.chunk(groups, dim)], dim).clone())
-    param.sliced = True  # a slice: its gradient is this rank's own (the others are whole on every rank)
+    param.sliced = dim, groups  # a slice: its gradient is this rank's own (the others are whole on every rank)
     return param
 
 class ColumnParallelLinear(nn.Module):
@@ -752,8 +758,23 @@ class ShardedSGD:
                     offset += p.numel()
     def state_dict(self):
         return self.inner.state_dict()
-    def load_state_dict(self, state):
-        self.inner.load_state_dict(state)
+    def momentum(self):
+        """For a checkpoint: each parameter's momentum, whole and shaped as it, every bucket's slices all-gathered over
+        its n ranks (on the plain communicator: not the step's traffic). Before a first step, zeros: the same to SGD."""
+        every, out = zip(self.slices, self.buckets.buckets, self.buckets.padded, self.buckets.comms), {}
+        for piece, bucket, n, comm in every:
+            mine, whole = self.inner.state[piece].get("momentum_buffer", torch.zeros_like(piece)), piece.new_empty(n)
+            buffer = mpi_buffer(whole, send=False)
+            getattr(comm, "comm", comm).Allgather(mpi_buffer(mine), buffer)
+            whole, offset = from_mpi(whole, buffer), 0
+            for p in bucket:
+                out[p], offset = whole[offset:offset + p.numel()].view_as(p), offset + p.numel()
+        return out
+    def load_momentum(self, momentum):
+        """After a resume, on any grid: a bucket's whole momentum from its parameters' ({p: tensor}); slice r kept."""
+        for piece, bucket, n, comm in zip(self.slices, self.buckets.buckets, self.buckets.padded, self.buckets.comms):
+            flat = F.pad(torch.cat([momentum[p].reshape(-1) for p in bucket]), (0, n - sum(p.numel() for p in bucket)))
+            self.inner.state[piece]["momentum_buffer"] = flat.view(comm.Get_size(), -1)[comm.Get_rank()].clone()
 
 # -----------------------------------------------------------------------------
 # The hybrid training step: this rank's list of actions, executed
@@ -900,6 +921,32 @@ def build_optimizer(args, stage, axes):
     return buckets, ShardedSGD(buckets, args.lr) if buckets.zero else \
         torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
 
+def blocks_held(args, axes, stage):
+    """For checkpoints: this rank's parameters as blocks of the whole model's tensors, {the whole model's name:
+    (parameter, the whole's shape, offset, size, the parameter's shape in the whole's dimensions)}. A slice starts at
+    t x its size along the dimension shard() cut, its vocabulary padding left out; q, k, v side by side, (3h, ..), are
+    taken as (3, h, ..), in which tensor rank t's heads are one block. Another grid: other blocks of the same ones."""
+    s, t, e = (axes[axis].Get_rank() for axis in ("pipeline", "tensor", "expert"))
+    with torch.device("meta"):  # the whole model's shapes, by name: no memory, no init
+        shapes = {name: list(w.shape) for name, w in GPT(args).state_dict().items()}
+    lo, held = layer_split(args.layers, args.pp)[s][0], {}
+    for name, p in stage.named_parameters():
+        parts = name.split(".")  # blocks.i.mlp.experts.k.fc1.weight: block lo + i, expert e X/E + k
+        if parts[0] == "blocks":
+            parts[1] = str(lo + int(parts[1]))
+            if parts[3] == "experts":
+                parts[4] = str(e * args.experts // args.ep + int(parts[4]))
+        shape, (dim, groups), view = shapes[".".join(parts)], getattr(p, "sliced", (0, 1)), list(p.shape)
+        if groups > 1:  # (3h, ..) as (3, h, ..)
+            shape, view, dim = [*shape[:dim], groups, shape[dim] // groups, *shape[dim + 1:]], \
+                [*view[:dim], groups, view[dim] // groups, *view[dim + 1:]], dim + 1
+        offset, size = [0] * len(shape), list(view)
+        if hasattr(p, "sliced"):
+            offset[dim] = t * view[dim]
+            size[dim] = min(view[dim], shape[dim] - offset[dim])  # padding rows: not the model's
+        held[".".join(parts)] = (p, shape, offset, size, view)
+    return held
+
 # -----------------------------------------------------------------------------
 # Data: characters of Python's own source, batches a function of (seed, step)
 # -----------------------------------------------------------------------------
@@ -943,9 +990,8 @@ def train(args, comm, counted, device, stage, optimizer, buckets, actions, timel
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, shares)[0], records[-1])
-        checkpoint_if_due(comm, args, step, lambda: {
-            "model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-            "losses": list(past) + global_losses(comm, losses, reports, shares)}, shard_config(args))
+        checkpoint_if_due(comm, args, step, lambda: hybrid_shard(comm, args, counted, stage, optimizer, list(past)
+                          + global_losses(comm, losses, reports, shares)), model_config(args))
     return list(past) + global_losses(comm, losses, reports, shares), records
 
 def global_losses(comm, losses, reports, shares):
@@ -955,11 +1001,10 @@ def global_losses(comm, losses, reports, shares):
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
     return (total / shares).tolist()
 
-def shard_config(args):
-    """What a checkpoint's shards belong to: the grid that cut them, and the model."""
-    return {"grid": {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "ep": args.ep, "experts": args.experts, "layout": args.layout,
-                     "zero_stage": args.zero_stage, "sequence_parallel": args.sequence_parallel}, "model": "GPT", "layers": args.layers,
-            "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len, "vocab": VOCAB}
+def model_config(args):
+    """What a checkpoint holds: the model alone, never the grid (any grid re-cuts it; the state says which wrote it)."""
+    return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len,
+            "vocab": VOCAB, "experts": args.experts, "top_k": args.top_k if args.experts else None}
 
 def main(argv=None, comm=MPI.COMM_WORLD):
     """Parse, set up, prove the schedule, train, check, report. Returns the exit status of this rank."""
@@ -977,13 +1022,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         stage = build_stage(args, counted, run.device)
         buckets, optimizer = build_optimizer(args, stage, counted)
         past, resumed = [], None
-        if args.resume:
-            resumed, shard = load_checkpoint(comm, args.save, shard_config(args),
-                                             lambda manifest: f"rank-{comm.Get_rank()}.pt", args.steps)
-            if shard is not None:  # this rank's shard: the same grid wrote it
-                stage.load_state_dict(shard["model"])
-                optimizer.load_state_dict(shard["optimizer"])
-                past = shard["losses"]
+        if args.resume:  # any grid: each rank asks for the blocks of the whole model that it holds on this one
+            resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
+                                              lambda manifest: blocks_wanted(args, counted, stage), args.steps)
+            past = restore(args, counted, stage, optimizer, resumed, blocks) if blocks is not None else []
         print_header(comm, args, run, stage, buckets, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
         losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets,
@@ -1015,7 +1057,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # the load-balancing loss from its definition. What it must know of the grid it writes plainly:
 # which tokens each rank routed, in its order (its replica's micro-batch, its context rank's
 # positions, with sequence parallelism its tensor rank's piece): capacity and the loss's counts
-# are per rank and per micro-batch. What it cannot see: a fault that the ranks' router and the
+# are per rank and per micro-batch; after a resume on another grid, each step's as the grid that
+# trained it (args.grids). What it cannot see: a fault that the ranks' router and the
 # reference share through torch (softmax, a stable sort), and nothing about which rank ran which
 # expert (the result is the same). Near-ties: the reference routes on its own, so a token whose
 # K-th and (K+1)-th probabilities differ by less than float32 rounding (about 1e-7) could choose
@@ -1024,9 +1067,11 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 def reference_training(args, device):
     """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear and F.cross_entropy, no MPI."""
     optimizer, losses = torch.optim.SGD((model := build_model(args).to(device)).parameters(), lr=args.lr, momentum=0.9), []
-    for block in model.blocks if args.experts else ():
-        block.mlp.forward = functools.partial(reference_moe, block.mlp, args)
-    for step in range(args.steps):
+    for step in range(args.steps):  # routed as the grid that trained the step (args.grids: a resume may change it)
+        grid = [flags for start, flags in args.grids if start <= step][-1]
+        trained = argparse.Namespace(**vars(args) | {flag.replace("-", "_"): value for flag, value in grid.items()})
+        for block in model.blocks if args.experts else ():
+            block.mlp.forward = functools.partial(reference_moe, block.mlp, trained)
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):  # bf16 against bf16
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
@@ -1072,7 +1117,10 @@ def print_header(comm, args, run, stage, buckets, resumed):
         comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
     stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
                         * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
-    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks)"] if resumed else []),
+    saved = resumed["state"]["grids"][-1][1].items() if resumed else ()
+    grid = " ".join(f"--{flag}" + f" {v}" * (v is not True) for flag, v in saved if v is not False)  # that wrote it
+    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks) "
+                    f"with {grid}"] if resumed else []),
            *run.header, f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, {sum(p.numel() for p in build_model(args).parameters()):,} "
            "parameters" + f", each block's MLP {X} experts, top-{args.top_k}, " * (X > 0) + ("dropless" if args.capacity_factor is None else
            f"capacity factor {args.capacity_factor:g}") * (X > 0), f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) "
@@ -1240,7 +1288,54 @@ def parse_args(argv, world_size):
         fits = ", ".join(str(k) for k in range(1, share + 1) if share % k == 0)
         raise ConfigError(f"--batch-size {args.batch_size} does not split into {D} replicas x {M} micro-batches; "
                           f"use {f'--micro-batches {fits}, or ' if fits else ''}a --batch-size multiple of {D * M}")
+    args.grids = [[0, grid_flags(args)]]  # [first step, grid] of each stretch of steps: a resume adds the checkpoint's
     return args
+
+def grid_flags(args):
+    """The flags that place the ranks and cut the batch, as the header prints them; the check's reference routes
+    each step as they did (the load-balancing loss over a micro-batch of all replicas, a capacity per rank)."""
+    return {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "ep": args.ep, "layout": args.layout,
+            "micro-batches": args.micro_batches, "zero-stage": args.zero_stage,
+            "sequence-parallel": args.sequence_parallel}
+
+# --- Checkpoints: the blocks of blocks_held(), each written once, asked for again on any grid
+def blocks_wanted(args, axes, stage):
+    """What a resuming rank asks load_checkpoint for: the blocks it holds on this grid, and their momentum."""
+    held = blocks_held(args, axes, stage)
+    return {name: region(*held[key][1:4]) for key in held for name in (key, f"momentum/{key}")}
+
+def hybrid_shard(comm, args, axes, stage, optimizer, losses):
+    """(pieces, state) of this rank: its blocks of every parameter and momentum (see the docstring: which of the ranks
+    that hold one writes it); state (global rank 0's): the losses so far and the grids. Collective under ZeRO-1."""
+    if isinstance(optimizer, ShardedSGD):
+        momentum = optimizer.momentum()
+    else:  # none before a first step: zeros, the same to SGD
+        momentum = {p: optimizer.state[p].get("momentum_buffer", torch.zeros_like(p)) for p in stage.parameters()}
+    pieces = {}
+    for key, (p, shape, offset, size, view) in blocks_held(args, axes, stage).items():
+        holders = axes["expert-data" if hasattr(p, "expert") else "data"]
+        if holders.Get_rank() == 0 and (hasattr(p, "sliced") or axes["tensor"].Get_rank() == 0):
+            for name, tensor in ((key, p), (f"momentum/{key}", momentum[p])):
+                pieces[name] = piece(tensor.detach().reshape(view)[tuple(map(slice, size))], shape, offset)
+    return pieces, {"losses": losses, "grids": args.grids} if comm.Get_rank() == 0 else None
+
+def restore(args, axes, stage, optimizer, manifest, blocks):
+    """Each parameter and its momentum from the blocks asked for, the padding rows zero; ZeRO-1 cuts its slices from
+    them. The grids that trained the steps so far go before this one's. Returns the losses so far (the step: their
+    number)."""
+    momentum = {}
+    with torch.no_grad():
+        for key, (p, _, _, size, view) in blocks_held(args, axes, stage).items():
+            momentum[p] = torch.zeros_like(p)
+            for into, block in ((p, blocks[key]), (momentum[p], blocks[f"momentum/{key}"])):
+                into.zero_()  # the vocabulary's padding rows, as shard() made them
+                into.view(view)[tuple(map(slice, size))] = block.to(into.device)
+    if isinstance(optimizer, ShardedSGD):
+        optimizer.load_momentum(momentum)
+    else:
+        optimizer.state.update({p: {"momentum_buffer": m} for p, m in momentum.items()})
+    args.grids = manifest["state"]["grids"] + [[manifest["step"], grid_flags(args)]]
+    return manifest["state"]["losses"]
 
 # --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
 def max_difference(losses, state, ref_losses, ref_model):
