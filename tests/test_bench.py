@@ -629,3 +629,10 @@ def test_the_smoke_s_stop_and_resume_row_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_smoke, "DEVICE", "cpu")
     said = gpu_smoke.stop_and_resume(tmp_path / "save", gpu_smoke.Budget(240))
     assert said.startswith("PASS: stopped by a signal after step ") and "(exit status 75)" in said, said
+
+
+def test_the_smoke_reports_the_error_line_not_open_mpis_closing_banner():
+    gpu_smoke = smoke()
+    stderr = "error: MPI runs at thread level 1, but ... MPI_THREAD_SERIALIZED (2) or more is needed\n" + "-" * 74 + "\n"
+    assert gpu_smoke.last_error(stderr).startswith("error: MPI runs at thread level 1")
+    assert gpu_smoke.last_error("Traceback\nRuntimeError: boom\n") == "RuntimeError: boom"
