@@ -26,7 +26,12 @@ RANK_ENV_NAMES = {"PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMI_ID", "PMI_J
                   "OMPI_NUM_APP_CTX", "OMPI_ARGV", "OMPI_COMMAND", "OMPI_MCA_ess", "OMPI_MCA_pmix",
                   "OMPI_MCA_initial_wdir", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS",
                   "PALS_RANKID", "PALS_LOCAL_RANKID", "FLUX_TASK_RANK", "FLUX_TASK_LOCAL_ID"}
-RANK_ENV_PREFIXES = ("OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess_base_", "MV2_COMM_WORLD_")
+RANK_ENV_PREFIXES = ("OMPI_COMM_WORLD_", "OMPI_MCA_ess_base_", "MV2_COMM_WORLD_")
+# Open MPI's per-job orte settings (its daemon's address, the job's layout and session folders); the
+# other OMPI_MCA_orte_* are the user's (orte_tmpdir_base, orte_keep_fqdn_hostnames, ...) and stay.
+RANK_ENV_NAMES |= {"OMPI_MCA_orte_hnp_uri", "OMPI_MCA_orte_local_daemon_uri", "OMPI_MCA_orte_num_nodes",
+                   "OMPI_MCA_orte_app_num", "OMPI_MCA_orte_precondition_transports", "OMPI_MCA_orte_ess_num_procs",
+                   "OMPI_MCA_orte_ess_node_rank", "OMPI_MCA_orte_jobfam_session_dir", "OMPI_MCA_orte_top_session_dir"}
 
 
 def belongs_to_a_rank(name):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from harness import ROOT, clean_env
+from harness import ROOT, belongs_to_a_rank, clean_env
 
 
 @pytest.mark.e2e
@@ -25,3 +25,13 @@ def test_an_in_process_test_that_raises_on_one_rank_ends_the_test_job_at_once_na
     took, output = time.monotonic() - start, result.stdout + result.stderr
     assert result.returncode != 0 and took < 60, (took, output)
     assert "rank 1: test_one_rank_raises.py::test_rank_1_raises raised KeyError: 'planted'" in output, output
+
+
+@pytest.mark.parametrize("name, removed", [
+    ("OMPI_MCA_orte_hnp_uri", True), ("OMPI_MCA_orte_local_daemon_uri", True), ("OMPI_MCA_orte_num_nodes", True),
+    ("OMPI_MCA_orte_app_num", True), ("OMPI_MCA_orte_precondition_transports", True),
+    ("OMPI_MCA_orte_top_session_dir", True), ("OMPI_COMM_WORLD_RANK", True), ("PMI_FD", True), ("PMIX_RANK", True),
+    ("OMPI_MCA_orte_tmpdir_base", False), ("OMPI_MCA_orte_keep_fqdn_hostnames", False), ("OMPI_MCA_btl", False),
+    ("PMIX_MCA_gds", False), ("OMPI_ALLOW_RUN_AS_ROOT", False), ("HYDRA_LAUNCHER", False)])
+def test_a_launch_drops_what_the_enclosing_job_gave_its_ranks_and_keeps_the_users_settings(name, removed):
+    assert belongs_to_a_rank(name) is removed
