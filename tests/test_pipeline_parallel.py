@@ -418,6 +418,76 @@ def test_message_tags_stay_within_the_librarys_bound():
 
 
 # -----------------------------------------------------------------------------
+# Checkpoints: saved on one grid (N, schedule, V), resumed on another, in process
+# -----------------------------------------------------------------------------
+# 4 blocks: 4 x 2 and 2 x 3 interleaved stages and zbv's 2N leave some stages without a block.
+RESUME = ["--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
+          "--micro-batches", "4", "--json"]
+# (saved on, resumed on): N, the schedule and V each change, and one pair keeps its grid (bit for bit).
+PAIRS = [((2, ["--schedule", "1f1b"]), (3, ["--schedule", "zb-h1"])),
+         ((4, ["--schedule", "interleaved", "--virtual-stages", "2"]),
+          (2, ["--schedule", "interleaved", "--virtual-stages", "3"])),
+         ((3, ["--schedule", "zbv"]), (1, ["--schedule", "gpipe"])),
+         ((1, ["--schedule", "gpipe"]), (4, ["--schedule", "zbv"])),
+         ((2, ["--schedule", "zb-h1"]), (2, ["--schedule", "zb-h1"]))]
+
+
+@pytest.fixture
+def run_main(capsys, monkeypatch):
+    """run(size, argv): pp.main(argv) on the first `size` ranks. On every rank of the world: the
+    exit status (the worst of the ranks'), the JSON line (None without one), rank 0's stdout and stderr."""
+    # train_pipeline's fair share of the cores: main() would give each rank of a small
+    # sub-communicator a core or two, on cores that the whole job's ranks share.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+
+    def run(size, argv):
+        result = None
+        with sub_comm(size) as comm:
+            if comm is not None:
+                status = comm.allreduce(pp.main(argv, comm), op=pp.MPI.MAX)
+                out = capsys.readouterr()
+                if comm.Get_rank() == 0:  # rank 0 alone prints
+                    line = out.out.strip().splitlines()[-1] if status == 0 and "--json" in argv else None
+                    result = (status, line and json.loads(line), out.out, out.err)
+        return world().bcast(result, root=0)
+    return run
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run_there(tmp_path_factory, run_main):
+    """Each pair: 2 steps saved on one grid, 2 more resumed on the other, whose --check against 4 steps
+    of one process passes; the losses so far are kept bit for bit, and from the checkpoint's step on
+    the losses are the uninterrupted run's on the new grid, within TOLERANCE (bit for bit on one grid)."""
+    root, whole = world().bcast(str(tmp_path_factory.mktemp("grids")), root=0), {}
+    for k, ((n, saved_on), (n_new, resumed_on)) in enumerate(PAIRS):
+        folder, same_grid = os.path.join(root, str(k)), (n, saved_on) == (n_new, resumed_on)
+        status, first, _, _ = run_main(n, RESUME + saved_on + ["--steps", "2", "--save", folder, "--no-check"])
+        assert status == 0
+        status, resumed, out, err = run_main(n_new, RESUME + resumed_on + ["--steps", "4", "--save", folder,
+                                                                         "--resume"])
+        assert status == 0 and f"resumed from {folder} at step 2 (written by {n} ranks)" in out, err
+        key = (n_new, *resumed_on)
+        if key not in whole:
+            whole[key] = run_main(n_new, RESUME + resumed_on + ["--steps", "4", "--no-check"])[1]["losses"]
+        diff = max(abs(a - b) for a, b in zip(resumed["losses"][2:], whole[key][2:]))
+        assert resumed["losses"][:2] == first["losses"] and resumed["check_max_abs_diff"] <= pp.TOLERANCE
+        assert diff <= pp.TOLERANCE and (resumed["losses"] == whole[key] or not same_grid), (k, diff)
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_that_names_both(tmp_path_factory, run_main):
+    """One block more on another grid: one error line with both models, exit 2, nothing written."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("model")), root=0)
+    assert run_main(2, RESUME + ["--steps", "1", "--save", folder, "--no-check"])[0] == 0
+    status, _, out, err = run_main(3, RESUME + ["--layers", "5", "--steps", "2", "--save", folder, "--resume"])
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(lines) == 1 and "holds a model" in lines[0], err
+    assert "'layers': 4" in lines[0] and "'layers': 5" in lines[0] and out == "", lines
+    assert agree(sorted(os.listdir(folder)) == ["step-000001"])
+
+
+# -----------------------------------------------------------------------------
 # End to end, as a user runs it
 # -----------------------------------------------------------------------------
 @pytest.mark.e2e
@@ -474,19 +544,20 @@ def test_a_bf16_run_with_recomputation_passes_its_check_and_its_formulas():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1", "zbv"])
-def test_killed_job_resumes_to_the_checked_result_under_the_chunked_and_split_schedules(schedule, tmp_path):
-    """Killed at step 3 after the checkpoint of step 2; the resumed job's check replays all 4 steps
-    in one process and must pass, with the losses of the steps before the kill kept. The schedules
-    whose ranks hold several chunks or split the backward; 1f1b's resume is in test_checkpoints.py,
-    and gpipe's stages are 1f1b's."""
+@pytest.mark.parametrize("schedule,np_", [("interleaved", 4), ("zb-h1", 3), ("zbv", 3)])
+def test_killed_job_resumes_to_the_checked_result_under_the_chunked_and_split_schedules(schedule, np_, tmp_path):
+    """Killed at step 3 after the checkpoint of step 2 on 2 ranks, resumed on np_ ranks (the stack cut
+    anew); the resumed job's check replays all 4 steps in one process and must pass, with the losses of
+    the steps before the kill kept. The schedules whose ranks hold several chunks or split the backward;
+    1f1b's resume is in test_checkpoints.py, and gpipe's stages are 1f1b's."""
     flags = TINY[:-4] + ["--steps", 4, "--micro-batches", 4, "--schedule", schedule, "--save", tmp_path,
                          "--save-every", 2, "--json"]
     killed = launch("pipeline_parallel.py", 2, *flags, "--no-check", timeout=90, env=clean_env(FAIL_AT="1:2:kill"))
     assert killed.returncode != 0 and (tmp_path / "step-000002").is_dir()
-    resumed = launch("pipeline_parallel.py", 2, *flags, "--resume", timeout=90)
+    resumed = launch("pipeline_parallel.py", np_, *flags, "--resume", timeout=90)
     result = last_json(resumed)
-    assert "resumed from" in resumed.stdout and result["check_max_abs_diff"] <= pp.TOLERANCE
+    assert "resumed from" in resumed.stdout and "(written by 2 ranks)" in resumed.stdout
+    assert result["check_max_abs_diff"] <= pp.TOLERANCE and result["world_size"] == np_
 
 
 @pytest.mark.e2e
