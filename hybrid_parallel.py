@@ -1347,9 +1347,10 @@ def max_difference(losses, state, ref_losses, ref_model):
     return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: progress, the summary and --json, --trace -----------------------
-def print_progress(comm, args, step, loss, record):
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
-                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+def print_progress(comm, args, step, loss, record, norm=None):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | " + (f"norm {norm:.4f} | " if norm is not None else "")
+           + f"{record['step_s'] * 1e3:.1f} ms/step | comm {record['comm_s'] * 1e3:.1f} ms | "
+             f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
 def finish(comm, args, run, losses, records, diff, compared, lines, keys):
     """The summary: the file's own `lines`, the split of a step (medians over the steps after the
@@ -1439,14 +1440,12 @@ def fsync_folder(path):  # the names a folder holds, made durable as its files' 
     os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard, (pieces, state) from make_shard, goes into root/.tmp-step-N: pieces maps a
-    name to (tensor, the whole's shape, where the tensor starts in it), see piece(); state (small,
-    JSON) is kept from the first rank that gives one. Rank 0 then writes the manifest, the index of
-    which file holds which region of which tensor, and renames the folder to step-N (files and
-    folder fsynced before, the parent after): a job killed before the rename leaves the previous
-    checkpoint as it was. A region that an earlier file holds already (a replicated parameter) is
-    left out of the index. A write that fails on any rank (a full disk) ends the job on every rank
-    with one line, the previous checkpoint whole."""
+    """Each rank's shard, (pieces, state): pieces {key: piece(...)}, state a small JSON dict (the
+    first rank's that gives one is kept), goes into root/.tmp-step-N. Rank 0 writes the manifest, the
+    index of which file holds which block of which tensor (a block an earlier file holds, replicated,
+    left out), and renames the folder to step-N, fsynced before and the parent after: a job killed
+    before the rename leaves the previous checkpoint as it was. A write that fails on any rank (a
+    full disk) ends the job on every rank with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
     pieces, state = shard
     files, error = {}, None
@@ -1496,8 +1495,8 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def piece(tensor, shape=None, offset=None):
-    """A tensor as a checkpoint holds it: a CPU copy (a view would save its whole storage), the
-    shape of the whole it is a block of, and the index where it starts in each dimension."""
+    """A tensor as a checkpoint holds it: a CPU copy (not a view of a larger storage), the shape of
+    the whole it is a block of, and where it starts in each dimension."""
     copy = tensor.detach().cpu().clone()
     return copy, list(shape or copy.shape), list(offset or [0] * copy.dim())
 
@@ -1566,11 +1565,10 @@ def assemble(manifest, wanted, tensors):
 
 def load_checkpoint(comm, root, config, wanted, steps):
     """The newest checkpoint whose every file that some rank needs is whole: its manifest and the
-    blocks this rank asked for, wanted(manifest) = {key: region(...)}, each cut from the pieces
-    that overlap it, whatever the grid that wrote them; (None, None) when root holds none yet (a
-    batch job's first run). Every rank's blocks come from that one checkpoint: a damaged file
-    makes all ranks fall back together to the one before, and rank 0 says which and why. One that
-    does not fit this run (another strategy, model or tensor shape) is a ConfigError on every rank."""
+    blocks this rank asks for, wanted(manifest) = {key: region(...)}, cut from the pieces that overlap
+    them whatever the grid that wrote them; (None, None) when root holds none yet (a first run). All
+    ranks take theirs from that one checkpoint: a damaged file makes every rank fall back to the one
+    before, and rank 0 says why. One that does not fit this run is a ConfigError on every rank."""
     found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
     if not found:
         print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
@@ -1763,18 +1761,23 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_CO
                         "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID", "SLURM_LOCALID")
 # How many ranks the launcher started: PMI (MPICH, srun --mpi=pmi2), Open MPI, MVAPICH; last, srun's
 # count of a step whose ranks it started itself (srun --mpi=pmix sets no size of PMIx's own).
-WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE", "SLURM_STEP_NUM_TASKS")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PALS_RANKID", "FLUX_TASK_RANK", "SLURM_PROCID")
 
 def launcher_local_rank():
     """This rank's index on its node, as the launcher tells it."""
     return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
 
 def check_one_job(world_size):
-    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused."""
+    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused before
+    anything is written, in one line from the launcher's rank 0 alone (each job's rank 0 would say it)."""
     told = next((v for v in WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), None)
     if told and int(os.environ[told]) > 1 and world_size == 1:
-        raise ConfigError(f"the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would train "
-                          f"alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or rebuild mpi4py")
+        if next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v, "").isdigit()), "0") == "0":
+            print(f"error: the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would "
+                  f"train alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or "
+                  f"rebuild mpi4py", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 def node_cores(node):
     """The cores the ranks of this node may run on, together (their affinity, e.g. a Slurm cgroup)."""
@@ -1801,7 +1804,6 @@ def setup(comm, args):
     """This rank's device, whether MPI reads its memory, the timeline, the memory meter, and the
     header's facts."""
     global CUDA_AWARE, SLEEP_WHILE_WAITING
-    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     launcher = launcher_local_rank()
@@ -1815,7 +1817,7 @@ def setup(comm, args):
         device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
-        CUDA_AWARE = mpi_cuda_aware(comm)
+        CUDA_AWARE, decided = mpi_cuda_aware(comm)
         if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
             try:
                 torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
@@ -1824,7 +1826,7 @@ def setup(comm, args):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic = True
             torch.use_deterministic_algorithms(True, warn_only=True)
-        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        transport = f"{'direct (CUDA-aware MPI' if CUDA_AWARE else 'staged through host memory ('}{decided})"
         uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
         if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
             notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
@@ -1840,29 +1842,43 @@ def setup(comm, args):
     return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies is
-    refused); else MPI 4.1's mpi_memory_alloc_kinds if it lists cuda; else MPIX_Query_cuda_support."""
+    """Can MPI read GPU memory, and how was that decided? MPI_CUDA_AWARE=1|0 when set, no library
+    probed (a debug MPICH before 4.0 asserts in its query); a 1 the memory kinds contradict is a
+    warning (Open MPI without CUDA over a CUDA UCX lists none, and reads GPU memory). Unset: MPI 4.1's
+    memory kinds; Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1 with its GTL library loaded; else
+    MPIX_Query_cuda_support, whose yes in Open MPI 4 tells only how the library was built."""
     try:
         kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
     except (MPI.Exception, NotImplementedError, AttributeError):
         kinds = None
-    says = True if kinds is not None and cuda_in_kinds(kinds) else mpix_query_cuda_support()  # not listed: unknown
     forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced == "1" and says is False:
-        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
-                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
-                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
-    return forced == "1" if forced in ("0", "1") else bool(says)
+    if forced in ("0", "1"):
+        doubt = forced == "1" and kinds is not None and not cuda_in_kinds(kinds)
+        return forced == "1", f"MPI_CUDA_AWARE={forced}" + (f"; warning: the library's memory kinds "
+                                                           f"({kinds}) list no cuda" if doubt else "")
+    if kinds is not None and cuda_in_kinds(kinds):
+        return True, f"memory kinds {kinds}"
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1" and mpi_libraries_loaded("libmpi_gtl_cuda"):
+        return True, "Cray MPICH: MPICH_GPU_SUPPORT_ENABLED=1, its GTL library loaded"
+    says = mpix_query_cuda_support()
+    if says and mpi_library().startswith("Open MPI v4"):
+        return True, ("probably: Open MPI 4's MPIX_Query_cuda_support says how it was built, not what its "
+                      "transport can do; MPI_CUDA_AWARE=0 stages")
+    return bool(says), "MPIX_Query_cuda_support" if says is not None else "no sign of CUDA support"
 
 def cuda_in_kinds(kinds):
     """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
     at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
     return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
 
+def mpi_libraries_loaded(name="libmpi"):
+    """The paths of the libraries loaded in this process whose path holds name (Linux)."""
+    maps = "/proc/self/maps"
+    return sorted({line.split()[-1] for line in open(maps) if name in line} if os.path.exists(maps) else [])
+
 def mpix_query_cuda_support():
     """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
-    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
-    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+    for path in mpi_libraries_loaded():
         query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
         if query is not None:
             return bool(query())
@@ -1959,7 +1975,9 @@ def check_common(args):
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
-    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates.
+    First of all, N one-rank jobs are refused: they would write N probes in one folder."""
+    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     rank, error = comm.Get_rank(), None
     try:
         if args.save:
