@@ -125,8 +125,7 @@ def rank_at(p, d, c, t, dp, cp, tp):
     return ((p * dp + d) * cp + c) * tp + t
 
 def make_grid(comm, pp, dp, cp, tp, ep=1):
-    """A Cartesian communicator (pp, dp, cp, tp), row-major: tp fastest, Megatron's order; Sub() keeps the dimensions
-    marked True. Expert groups: the D x C ranks of "data", in (dp, cp) order, cut into groups of E. Returns each axis's."""
+    """A Cartesian communicator (pp, dp, cp, tp), tp fastest (Megatron's order), and one communicator per axis."""
     cart = comm.Create_cart([pp, dp, cp, tp], periods=[False] * 4, reorder=False)
     assert tuple(cart.Get_coords(cart.Get_rank())) == coordinates(comm.Get_rank(), dp, cp, tp)
     axes = {"pipeline": cart.Sub([True, False, False, False]),  # equal (dp, cp, tp): one pipeline, rank = stage
@@ -135,7 +134,7 @@ def make_grid(comm, pp, dp, cp, tp, ep=1):
             "tensor": cart.Sub([False, False, False, True]),  # equal (pp, dp, cp): one stage's matrices
             "stage": cart.Sub([False, True, True, True])}  # equal pp: every rank that routes the stage's tokens
     r = axes["data"].Get_rank()
-    axes["expert"] = axes["data"].Split(r // ep, r)  # an expert group: E ranks that exchange tokens
+    axes["expert"] = axes["data"].Split(r // ep, r)  # the D x C ranks in (dp, cp) order, cut into groups of E
     axes["expert-data"] = axes["data"].Split(r % ep, r)  # the D x C / E ranks that hold the same experts
     cart.Free()
     return axes
