@@ -49,6 +49,18 @@ out of each rank: 2(N-1)/N x G, what an allreduce (a reduce-scatter, then an all
 Stage 3 all-gathers twice (before forward and backward): 3(N-1)/N x G, 1.5 times that. bf16: the
 reduce-scatter float32 (G), each all-gather bf16 (G / 2): 1.5 G, stage 3 2 G, x (N-1)/N.
 --no-overlap, the baseline: stages 2 and 3 reduce-scatter after backward, stage 3 never prefetches.
+--clip-grad: one Allreduce of 4 bytes more (without a clip the norm, a report, is left out of the counts).
+
+The recipe (--clip-grad, --lr-schedule cosine, --warmup-steps; nanoGPT's, AdamW): the rate is the step's
+alone (learning_rate), so a resumed run continues it; the clip scales the gradient by the norm of the
+whole model's. ZeRO holds it once between the ranks: after the reduce-scatter rank r holds partition r
+of every layer's mean gradient, and the padding's gradient is zero, so each rank's sum of squares of its
+partitions, summed over the N ranks by one Allreduce of one float32 (on comm: the ranks that hold the
+distinct parts), is the squared norm of the whole gradient, each element counted once; in float32 in
+bf16 runs too (the gradients are reduced in float32). Every rank then scales its partitions by the same
+max_norm / (norm + 1e-6) when below 1, before AdamW steps them. A norm of the whole local gradient
+before the reduce-scatter would be a rank's slice's, another on every rank; one of a rank's partitions
+alone, without the Allreduce, would miss the other (N-1)/N: either clips by a wrong, differing scale.
 
 A, for b = B/N sequences of s characters, hidden h, a heads, L blocks, V = 128: 8bs + 8s (indices),
 the head's 8bsh (bf16 6bsh) + 16bs + 4bsV + 4 (LayerNorm, float32 logits, targets), L blocks of
@@ -226,8 +238,27 @@ class ZeRO:
         for layer in self.layers:
             layer.partition.grad /= self.world_size  # each rank's loss is the mean of its slice
 
-    def step(self):
-        """AdamW on this rank's partitions; stages 1 and 2 then all-gather the parameters."""
+    def global_grad_norm(self, comm):
+        """The norm of the whole mean gradient, in float32 (see the docstring), from the reduced partitions.
+        comm: the ranks that hold the partitions, each once. The same on every rank."""
+        squares = torch.stack([layer.partition.grad.square().sum() for layer in self.layers]).sum().reshape(1)
+        buffer = mpi_buffer(squares)
+        comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)  # + the other ranks' partitions: the whole gradient
+        return from_mpi(squares, buffer).sqrt().item()
+
+    def clip_gradients(self, max_norm, comm):
+        """Each rank's partitions scaled to the global norm max_norm (0: not clipped) by
+        torch.nn.utils.clip_grad_norm_'s rule, before AdamW steps them; returns the norm before the clip."""
+        norm = self.global_grad_norm(comm)
+        scale = max_norm / (norm + 1e-6)
+        for layer in self.layers if max_norm and scale < 1 else []:
+            layer.partition.grad.mul_(scale)
+        return norm
+
+    def step(self, lr):
+        """AdamW at rate lr on this rank's partitions; stages 1 and 2 then all-gather the parameters."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         if self.stage < 3:
             for layer in self.layers:
@@ -353,13 +384,16 @@ def from_mpi(t, buffer):
     return t
 
 
-def train_step(model, zero, x, y, timeline, bf16=False):
+def train_step(model, zero, x, y, timeline, lr, bf16=False, max_norm=0.0, norm_comm=None):
+    """One step at rate lr, the gradient clipped to the global norm max_norm (0: not); norm_comm: the
+    norm's communicator (default zero's). Returns this rank's loss and the norm, before the clip."""
     with timeline.span("compute", "forward"), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())  # the loss in float32
     zero.backward(loss)  # backward, then what the gradient exchange has left to do
     with timeline.span("compute", "optimizer"):
-        zero.step()
-    return loss.item()
+        norm = zero.clip_gradients(max_norm, norm_comm or zero.comm)  # of the reduced partitions
+        zero.step(lr)
+    return loss.item(), norm
 
 
 # -----------------------------------------------------------------------------
@@ -489,27 +523,41 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, device, model, zero, timeline, activations, past=(), config=None):
-    """The steps after the `past` ones (their global losses, from a checkpoint), each rank on its
-    slice of the batch, `activations` measuring what autograd saves. Returns losses and timings."""
+def learning_rate(args, step):
+    """A linear warm-up over --warmup-steps W, then --lr, or a cosine from it down towards lr / 10 at
+    the last step: a function of the step alone."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    low, progress = args.lr / 10, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    if args.lr_schedule == "constant":
+        return args.lr
+    return low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))
+
+
+def train(args, comm, device, model, zero, timeline, activations, past=((), ()), config=None):
+    """The steps after the `past` ones (their global losses and norms, from a checkpoint), each rank on
+    its slice of the batch, `activations` measuring what autograd saves. Returns losses, norms, timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
-    per_rank, losses, records = args.batch_size // world_size, [], []
-    for step in range(len(past), args.steps):
+    per_rank, losses, norms, records = args.batch_size // world_size, [], [], []
+    norm_comm = zero.comm if args.clip_grad else comm  # without a clip the norm is a report: not counted
+    for step in range(len(past[0]), args.steps):
         start = time.perf_counter()
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        with activations:
-            losses.append(train_step(model, zero, x[mine].to(device, copy=True), y[mine].to(device, copy=True),
-                                     timeline, args.precision == "bf16"))  # copies: autograd keeps b s, not B s
+        with activations:  # copies: autograd keeps b s, not B s
+            loss, norm = train_step(model, zero, x[mine].to(device, copy=True), y[mine].to(device, copy=True), timeline,
+                                    learning_rate(args, step), args.precision == "bf16", args.clip_grad, norm_comm)
+        losses.append(loss), norms.append(norm)
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
-            print_progress(comm, args, step, mean_loss, records[-1])
+            print_progress(comm, args, step, mean_loss, records[-1], norm)
         # A checkpoint is ZeRO's too: each rank writes its partition of every layer's masters and Adam
         # moments, as a piece of the layer's whole unpadded vector (zero_shard); a resume at any N and
         # stage asks for its new partition's range alone and reads only the files that hold it (resume)
-        checkpoint_if_due(comm, args, step, lambda: zero_shard(zero, list(past) + global_losses(comm, losses)), config)
-    return losses, records
+        checkpoint_if_due(comm, args, step, lambda: zero_shard(zero, list(past[0]) + global_losses(comm, losses),
+                                                               list(past[1]) + norms), config)
+    return losses, norms, records
 
 
 def global_losses(comm, losses):
@@ -530,19 +578,19 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         activations = ActivationMeter(zero)
         config = {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "seq_len": args.seq_len, "vocab": VOCAB}  # what the flat vectors depend on
-        resumed, past = resume(comm, args, config, zero) if args.resume else (None, [])
+        resumed, past = resume(comm, args, config, zero) if args.resume else (None, ([], []))
         print_header(comm, args, run, model, zero, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
-        losses, records = train(args, comm, run.device, model, zero, run.timeline, activations, past, config)
+        losses, norms, records = train(args, comm, run.device, model, zero, run.timeline, activations, past, config)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
-    losses = past + global_losses(comm, losses)
-    diff = check(comm, args, losses, zero, model) if args.check else None
+    losses, norms = past[0] + global_losses(comm, losses), past[1] + norms  # norms: the same on every rank
+    diff = check(comm, args, losses, norms, zero, model) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, zero, losses, records, counted, activations, diff)
+    return report(comm, args, run, zero, losses, norms, records, counted, activations, diff)
 
 
 # =============================================================================
@@ -554,7 +602,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
 # What the reference shares with the ranks, and why each is harmless: build_model and its classes
-# (the network), make_batch, F.cross_entropy and torch's AdamW with the same hyperparameters.
+# (the network), make_batch, F.cross_entropy, torch's AdamW with the same hyperparameters and
+# learning_rate (a formula of the step). Its norm and clip are torch.nn.utils.clip_grad_norm_'s.
 # AdamW acts element by element, which is what lets ZeRO step a partition alone; the reference
 # steps each parameter whole, so the flat vectors, their padding and partitions, the
 # reduce-scatters, the gathers and the division by N (FlatLayer, ZeRO) are the ranks' alone. bf16:
@@ -567,7 +616,7 @@ def reference_training(args):
     model, bf16 = build_model(args, recompute="none"), args.precision == "bf16"
     working = build_model(args, recompute="none").to(torch.bfloat16) if bf16 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
@@ -576,13 +625,15 @@ def reference_training(args):
         loss.backward()
         for p, w in zip(model.parameters(), working.parameters()):
             p.grad = w.grad.float()  # float32: the same tensor
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
+        optimizer.param_groups[0]["lr"] = learning_rate(args, step)  # its one group
         optimizer.step()
         if bf16:  # rounded to nearest, as the ranks round their masters
             working.load_state_dict(model.state_dict())
         losses.append(loss.item())
-    return losses, model
+    return losses, model, norms
 
-def check(comm, args, losses, zero, model):
+def check(comm, args, losses, norms, zero, model):
     """Every rank's float32 masters, gathered from the partitions on the plain communicator (uncounted);
     rank 0 trains the reference on the CPU and compares; every rank gets the largest difference.
     Only float32 sums are reordered (each rank's gradient is its slice's, then summed), but Adam
@@ -590,7 +641,8 @@ def check(comm, args, losses, zero, model):
     instead of the batch's in one process moved the parameters by 7e-7 after 100 steps (3 slices of
     the default 24), by 5e-7 after 50 and 2.4e-6 after 100 (4 slices of 16), at lr 1e-3; at lr 3e-3
     by 2e-2 after 50 (a loss spike turned rounding into chaos). With eps 1e-8 one weight in 200k moved
-    by 5e-5 in the first step (lr x delta / eps for a change delta of its gradient): EPS 1e-6."""
+    by 5e-5 in the first step (lr x delta / eps for a change delta of its gradient): EPS 1e-6.
+    The gradient norms join the comparison (norms: this run's, one per step)."""
     full = {}
     for layer in zero.layers:  # the float32 masters: each rank's partition
         whole = torch.zeros(layer.padded)
@@ -599,7 +651,9 @@ def check(comm, args, losses, zero, model):
         full.update((p, view.clone()) for p, view in zip(layer.params, layer.views(whole)))
     state, diff = {name: full[p] for name, p in model.named_parameters()}, None
     if comm.Get_rank() == 0:
-        diff = max_difference(losses, state, *reference_training(args))
+        ref_losses, ref_model, ref_norms = reference_training(args)
+        norm_diff = max((abs(a - b) for a, b in zip(norms, ref_norms)), default=0.0)
+        diff = max(max_difference(losses, state, ref_losses, ref_model), norm_diff)
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(POLL_S)  # the other ranks leave the cores to rank 0, which trains the reference
@@ -679,18 +733,19 @@ def print_header(comm, args, run, model, zero, resumed):
            f"{args.heads} heads, {params:,} parameters in {len(zero.layers)} layers, padded to {padded:,} "
            f"(each layer a multiple of {comm.Get_size()}); this rank owns {padded // comm.Get_size():,}",
            f"global batch {args.batch_size} x {args.seq_len} characters = {comm.Get_size()} ranks x "
-           f"{args.batch_size // comm.Get_size()} | AdamW, lr {args.lr:g}, eps {EPS:g}, "
-           f"weight decay {WEIGHT_DECAY:g}" + ("" if args.zero_stage == 1 else " | exchange overlapped with compute"
-                                               if not args.no_overlap else " | no overlap (--no-overlap)"))
+           f"{args.batch_size // comm.Get_size()} | AdamW, lr {args.lr:g} ({args.lr_schedule}, {args.warmup_steps} "
+           f"warm-up steps), eps {EPS:g}, weight decay {WEIGHT_DECAY:g}, clip {args.clip_grad or 'off'}"
+           + ("" if args.zero_stage == 1 else " | exchange overlapped with compute" if not args.no_overlap
+              else " | no overlap (--no-overlap)"))
 
-def report(comm, args, run, zero, losses, records, counted, activations, diff):
+def report(comm, args, run, zero, losses, norms, records, counted, activations, diff):
     """The summary lines and JSON keys of ZeRO: traffic against its formula, the measured peak
     memory beside the formula, the live tensors, the overlap; finish() prints and returns."""
     world_size, steps_run, stage = comm.Get_size(), max(1, len(records)), args.zero_stage
     calls, volume = ({k: v / steps_run for k, v in counts.items()} for counts in (counted.calls, counted.bytes))
     psi = sum(layer.padded for layer in zero.layers)
     e, gathers = zero.layers[0].whole.element_size(), 1 if stage < 3 else 2  # stage 3 gathers twice
-    moved = (4 + gathers * e) * psi  # reduce-scatter in float32, all-gathers in the parameters' dtype
+    moved = (4 + gathers * e) * psi + 4 * (args.clip_grad > 0)  # reduce-scatter float32, all-gathers e; the norm
     ring = (world_size - 1) / world_size * moved
     every = comm.allgather(live_tensor_bytes(zero))  # the same on every rank: so is S
     live = {kind: max(m[kind] for m in every) for kind in every[0]}
@@ -699,7 +754,8 @@ def report(comm, args, run, zero, losses, records, counted, activations, diff):
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
-             + f"; formula 4 Psi + {gathers} x {e} Psi = {moved:,} bytes (Psi = {psi:,} with padding); a ring "
+             + f"; formula 4 Psi + {gathers} x {e} Psi{' + 4 (the norm)' if args.clip_grad else ''} = {moved:,} bytes "
+             f"(Psi = {psi:,} with padding); a ring "
              f"moves (N-1)/N of that per rank, {ring:,.0f}, {ring / (8 * psi * (world_size - 1) / world_size or 1):g}"
              f" x a float32 allreduce of the gradients",
              f"memory per rank at the peak of a step: measured {peak / 1e6:.2f} MB (the largest rank), formula "
@@ -708,7 +764,7 @@ def report(comm, args, run, zero, losses, records, counted, activations, diff):
              + f" (activations measured); plain data parallelism: {16 if e == 4 else 18} Psi + activations = "
              f"{((16 if e == 4 else 18) * psi + formula['activations']) / 1e6:.2f} MB",
              "live tensors after the last step: " + " | ".join(f"{k} {v:,}" for k, v in live.items()) + " bytes"]
-    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+    return finish(comm, args, run, losses, records, diff, "losses, parameters, norms", lines, {"grad_norms": norms,
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "zero_stage": stage, "param_count": sum(layer.numel for layer in zero.layers),
         "padded_param_count": psi, "memory_bytes_formula": formula, "live_bytes_after_last_step": live,
@@ -727,7 +783,17 @@ def parse_args(argv, world_size):
                    help="1: optimizer state sharded; 2: and gradients; 3: and parameters")
     p.add_argument("--no-overlap", action="store_true",
                    help="baseline: reduce-scatter after backward (stages 2, 3), no prefetch (stage 3)")
+    p.add_argument("--optimizer", choices=("adamw",), default="adamw", help="AdamW (SGD is not offered here)")
+    p.add_argument("--clip-grad", type=float, default=0.0, metavar="MAX_NORM",
+                   help="clip the global gradient norm to MAX_NORM (0: no clipping)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after the warm-up: constant, or a cosine towards lr / 10, reached after the last step")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up from 0 to --lr over W steps")
     args = check_common(p.parse_args(argv))
+    if not args.clip_grad >= 0 or args.warmup_steps >= args.steps:
+        raise ConfigError(f"--clip-grad {args.clip_grad:g} must be 0 (off) or more" if not args.clip_grad >= 0 else
+                          f"--warmup-steps {args.warmup_steps} leaves no step after the warm-up of --steps "
+                          f"{args.steps}; use fewer warm-up steps")
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
                           f"size; use a multiple of {args.heads}, e.g. {16 * args.heads}")
@@ -753,18 +819,19 @@ def saved_part(layer):
     a partition wholly in the padding, as the last of a layer of 5 elements on 4 ranks)."""
     return layer.mine.start, max(0, min(layer.size, layer.numel - layer.mine.start))
 
-def zero_shard(zero, losses):
+def zero_shard(zero, losses, norms):
     """What each rank saves: its partition of every layer's float32 masters and Adam moments, each a
     piece of the layer's unpadded whole (the padding left out): every element saved once, no rank
-    more than its 1/N. Rank 0 adds, as state, the losses so far, Adam's step count and the stage
-    that wrote it (the world size is the manifest's)."""
+    more than its 1/N. Rank 0 adds, as state, the losses and gradient norms so far, Adam's step count
+    and the stage that wrote it (the world size is the manifest's)."""
     pieces = {}
     for i, layer in enumerate(zero.layers):
         (start, count), adam = saved_part(layer), zero.optimizer.state[layer.partition]
         for kind, key in checkpoint_keys(i).items() if count else ():
             t = layer.partition if kind == "params" else adam[kind]
             pieces[key] = piece(t[:count], [layer.numel], [start])
-    state = {"losses": list(losses), "adam_step": int(zero.optimizer.state[zero.layers[0].partition]["step"]),
+    state = {"losses": list(losses), "grad_norms": list(norms),
+             "adam_step": int(zero.optimizer.state[zero.layers[0].partition]["step"]),
              "zero_stage": zero.stage}
     return pieces, (state if zero.comm.Get_rank() == 0 else None)
 
@@ -774,7 +841,7 @@ def resume(comm, args, config, zero):
     load_checkpoint cuts from the pieces that overlap it, reading only their files; the padding
     stays zero, as in a new run. Stages 1 and 2 then all-gather each layer's whole vector, on the
     plain communicator (the counters measure training alone); stage 3 gathers as it computes.
-    Returns the manifest and the losses so far (None and []: no checkpoint yet)."""
+    Returns the manifest and (losses, norms) so far (None and ([], []): no checkpoint yet)."""
     def wanted(manifest):
         asked = {}
         for i, layer in enumerate(zero.layers):
@@ -784,7 +851,7 @@ def resume(comm, args, config, zero):
         return asked
     manifest, blocks = load_checkpoint(comm, args.save, config, wanted, args.steps)
     if blocks is None:
-        return None, []
+        return None, ([], [])
     for i, layer in enumerate(zero.layers):
         (_, count), step = saved_part(layer), torch.tensor(float(manifest["state"]["adam_step"]))
         adam = {"step": step, **{kind: torch.zeros_like(layer.partition) for kind in KINDS[1:]}}
@@ -798,7 +865,7 @@ def resume(comm, args, config, zero):
                 comm.Allgather(MPI.IN_PLACE, buffer)
                 from_mpi(layer.whole, buffer)
         zero.optimizer.state[layer.partition] = adam
-    return manifest, manifest["state"]["losses"]
+    return manifest, (manifest["state"]["losses"], manifest["state"]["grad_norms"])
 
 # --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
 def max_difference(losses, state, ref_losses, ref_model):
@@ -810,9 +877,10 @@ def max_difference(losses, state, ref_losses, ref_model):
     return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: progress, the summary and --json, --trace -----------------------
-def print_progress(comm, args, step, loss, record):
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
-                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+def print_progress(comm, args, step, loss, record, norm=None):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | " + (f"norm {norm:.4f} | " if norm is not None else "")
+           + f"{record['step_s'] * 1e3:.1f} ms/step | comm {record['comm_s'] * 1e3:.1f} ms | "
+             f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
 def finish(comm, args, run, losses, records, diff, compared, lines, keys):
     """The summary: the file's own `lines`, the split of a step (medians over the steps after the
@@ -902,14 +970,12 @@ def fsync_folder(path):  # the names a folder holds, made durable as its files' 
     os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard, (pieces, state) from make_shard, goes into root/.tmp-step-N: pieces maps a
-    name to (tensor, the whole's shape, where the tensor starts in it), see piece(); state (small,
-    JSON) is kept from the first rank that gives one. Rank 0 then writes the manifest, the index of
-    which file holds which region of which tensor, and renames the folder to step-N (files and
-    folder fsynced before, the parent after): a job killed before the rename leaves the previous
-    checkpoint as it was. A region that an earlier file holds already (a replicated parameter) is
-    left out of the index. A write that fails on any rank (a full disk) ends the job on every rank
-    with one line, the previous checkpoint whole."""
+    """Each rank's shard, (pieces, state): pieces {key: piece(...)}, state a small JSON dict (the
+    first rank's that gives one is kept), goes into root/.tmp-step-N. Rank 0 writes the manifest, the
+    index of which file holds which block of which tensor (a block an earlier file holds, replicated,
+    left out), and renames the folder to step-N, fsynced before and the parent after: a job killed
+    before the rename leaves the previous checkpoint as it was. A write that fails on any rank (a
+    full disk) ends the job on every rank with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
     pieces, state = shard
     files, error = {}, None
@@ -959,8 +1025,8 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def piece(tensor, shape=None, offset=None):
-    """A tensor as a checkpoint holds it: a CPU copy (a view would save its whole storage), the
-    shape of the whole it is a block of, and the index where it starts in each dimension."""
+    """A tensor as a checkpoint holds it: a CPU copy (not a view of a larger storage), the shape of
+    the whole it is a block of, and where it starts in each dimension."""
     copy = tensor.detach().cpu().clone()
     return copy, list(shape or copy.shape), list(offset or [0] * copy.dim())
 
@@ -1029,11 +1095,10 @@ def assemble(manifest, wanted, tensors):
 
 def load_checkpoint(comm, root, config, wanted, steps):
     """The newest checkpoint whose every file that some rank needs is whole: its manifest and the
-    blocks this rank asked for, wanted(manifest) = {key: region(...)}, each cut from the pieces
-    that overlap it, whatever the grid that wrote them; (None, None) when root holds none yet (a
-    batch job's first run). Every rank's blocks come from that one checkpoint: a damaged file
-    makes all ranks fall back together to the one before, and rank 0 says which and why. One that
-    does not fit this run (another strategy, model or tensor shape) is a ConfigError on every rank."""
+    blocks this rank asks for, wanted(manifest) = {key: region(...)}, cut from the pieces that overlap
+    them whatever the grid that wrote them; (None, None) when root holds none yet (a first run). All
+    ranks take theirs from that one checkpoint: a damaged file makes every rank fall back to the one
+    before, and rank 0 says why. One that does not fit this run is a ConfigError on every rank."""
     found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
     if not found:
         print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
@@ -1226,18 +1291,23 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_CO
                         "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID", "SLURM_LOCALID")
 # How many ranks the launcher started: PMI (MPICH, srun --mpi=pmi2), Open MPI, MVAPICH; last, srun's
 # count of a step whose ranks it started itself (srun --mpi=pmix sets no size of PMIx's own).
-WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE", "SLURM_STEP_NUM_TASKS")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PALS_RANKID", "FLUX_TASK_RANK", "SLURM_PROCID")
 
 def launcher_local_rank():
     """This rank's index on its node, as the launcher tells it."""
     return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
 
 def check_one_job(world_size):
-    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused."""
+    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused before
+    anything is written, in one line from the launcher's rank 0 alone (each job's rank 0 would say it)."""
     told = next((v for v in WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), None)
     if told and int(os.environ[told]) > 1 and world_size == 1:
-        raise ConfigError(f"the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would train "
-                          f"alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or rebuild mpi4py")
+        if next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v, "").isdigit()), "0") == "0":
+            print(f"error: the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would "
+                  f"train alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or "
+                  f"rebuild mpi4py", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 def node_cores(node):
     """The cores the ranks of this node may run on, together (their affinity, e.g. a Slurm cgroup)."""
@@ -1264,7 +1334,6 @@ def setup(comm, args):
     """This rank's device, whether MPI reads its memory, the timeline, the memory meter, and the
     header's facts."""
     global CUDA_AWARE, SLEEP_WHILE_WAITING
-    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     launcher = launcher_local_rank()
@@ -1278,7 +1347,7 @@ def setup(comm, args):
         device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
-        CUDA_AWARE = mpi_cuda_aware(comm)
+        CUDA_AWARE, decided = mpi_cuda_aware(comm)
         if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
             try:
                 torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
@@ -1287,7 +1356,7 @@ def setup(comm, args):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic = True
             torch.use_deterministic_algorithms(True, warn_only=True)
-        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        transport = f"{'direct (CUDA-aware MPI' if CUDA_AWARE else 'staged through host memory ('}{decided})"
         uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
         if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
             notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
@@ -1303,29 +1372,43 @@ def setup(comm, args):
     return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies is
-    refused); else MPI 4.1's mpi_memory_alloc_kinds if it lists cuda; else MPIX_Query_cuda_support."""
+    """Can MPI read GPU memory, and how was that decided? MPI_CUDA_AWARE=1|0 when set, no library
+    probed (a debug MPICH before 4.0 asserts in its query); a 1 the memory kinds contradict is a
+    warning (Open MPI without CUDA over a CUDA UCX lists none, and reads GPU memory). Unset: MPI 4.1's
+    memory kinds; Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1 with its GTL library loaded; else
+    MPIX_Query_cuda_support, whose yes in Open MPI 4 tells only how the library was built."""
     try:
         kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
     except (MPI.Exception, NotImplementedError, AttributeError):
         kinds = None
-    says = True if kinds is not None and cuda_in_kinds(kinds) else mpix_query_cuda_support()  # not listed: unknown
     forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced == "1" and says is False:
-        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
-                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
-                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
-    return forced == "1" if forced in ("0", "1") else bool(says)
+    if forced in ("0", "1"):
+        doubt = forced == "1" and kinds is not None and not cuda_in_kinds(kinds)
+        return forced == "1", f"MPI_CUDA_AWARE={forced}" + (f"; warning: the library's memory kinds "
+                                                           f"({kinds}) list no cuda" if doubt else "")
+    if kinds is not None and cuda_in_kinds(kinds):
+        return True, f"memory kinds {kinds}"
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1" and mpi_libraries_loaded("libmpi_gtl_cuda"):
+        return True, "Cray MPICH: MPICH_GPU_SUPPORT_ENABLED=1, its GTL library loaded"
+    says = mpix_query_cuda_support()
+    if says and mpi_library().startswith("Open MPI v4"):
+        return True, ("probably: Open MPI 4's MPIX_Query_cuda_support says how it was built, not what its "
+                      "transport can do; MPI_CUDA_AWARE=0 stages")
+    return bool(says), "MPIX_Query_cuda_support" if says is not None else "no sign of CUDA support"
 
 def cuda_in_kinds(kinds):
     """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
     at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
     return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
 
+def mpi_libraries_loaded(name="libmpi"):
+    """The paths of the libraries loaded in this process whose path holds name (Linux)."""
+    maps = "/proc/self/maps"
+    return sorted({line.split()[-1] for line in open(maps) if name in line} if os.path.exists(maps) else [])
+
 def mpix_query_cuda_support():
     """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
-    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
-    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+    for path in mpi_libraries_loaded():
         query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
         if query is not None:
             return bool(query())
@@ -1422,7 +1505,9 @@ def check_common(args):
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
-    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates.
+    First of all, N one-rank jobs are refused: they would write N probes in one folder."""
+    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     rank, error = comm.Get_rank(), None
     try:
         if args.save:

@@ -27,12 +27,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def run_steps(comm, argv):
-    """Train on comm as the script does; returns the global losses, the model and ZeRO."""
+    """Train on comm as the script does; returns the global losses, the model, ZeRO and the norms."""
     args = zp.parse_args(argv, comm.Get_size())
     timeline = zp.Timeline(CPU)
     model, zero = zp.shard_model(args, zp.CountedComm(comm, timeline), CPU, timeline)
-    losses, _ = zp.train(args, comm, CPU, model, zero, timeline, zp.ActivationMeter(zero))
-    return zp.global_losses(comm, losses), model, zero
+    losses, norms, _ = zp.train(args, comm, CPU, model, zero, timeline, zp.ActivationMeter(zero))
+    return zp.global_losses(comm, losses), model, zero, norms
 
 
 def sharded(model, comm, stage, args, overlap=True):
@@ -154,7 +154,7 @@ def test_training_matches_one_process_and_traffic_matches_the_formula(size, stag
         diff, nudged, ok = 0.0, 0.0, True
         if comm is not None:
             steps, argv = 3, TINY + ["--steps", "3", "--zero-stage", str(stage), "--precision", precision]
-            losses, model, zero = run_steps(comm, argv)
+            losses, model, zero, norms = run_steps(comm, argv)
             live, formula = zp.live_tensor_bytes(zero), zp.memory_formula(zero, 0)
             # between steps a rank holds the formula's states and nothing else, but Adam's step
             # counters (4 bytes a layer): stages 2 and 3 no whole gradient
@@ -163,14 +163,75 @@ def test_training_matches_one_process_and_traffic_matches_the_formula(size, stag
             psi, e, gathers = sum(layer.padded for layer in zero.layers), 2 if precision == "bf16" else 4, 1 + (stage == 3)
             ok = ok and sum(zero.comm.bytes.values()) == steps * (4 + gathers * e) * psi
             ok = ok and sum(zero.comm.calls.values()) == steps * (1 + gathers) * len(zero.layers)
-            diff = zp.check(comm, zp.parse_args(argv, size), losses, zero, model)
+            diff = zp.check(comm, zp.parse_args(argv, size), losses, norms, zero, model)
             if precision == "bf16":
                 with torch.no_grad():
                     zero.layers[1].partition[0] += 1.5 * zp.TOLERANCE_BF16 * (comm.Get_rank() == 0)
-                nudged = zp.check(comm, zp.parse_args(argv, size), losses, zero, model)
+                nudged = zp.check(comm, zp.parse_args(argv, size), losses, norms, zero, model)
         assert agree(ok)
         assert max_everywhere(diff) <= (zp.TOLERANCE_BF16 if precision == "bf16" else zp.TOLERANCE)
         assert precision == "fp32" or max_everywhere(nudged) > zp.TOLERANCE_BF16
+
+
+# The recipe, clipping active: every norm these runs measure (1.16 to 2.09) is above the clip 0.05, so
+# every step is scaled; AdamW, a cosine after one warm-up step. Measured max |diff| (losses, parameters,
+# norms) from one process, 3 steps of TINY: fp32 2.4e-7 (N = 1, 4) and 4.8e-7 (N = 2, 3); bf16 2.3e-3.
+RECIPE = ["--optimizer", "adamw", "--clip-grad", "0.05", "--lr-schedule", "cosine", "--warmup-steps", "1"]
+
+
+def recipe_check(comm, stage, precision="fp32"):
+    """--check's max |diff| after 3 steps of the recipe on comm, and the norms the ranks measured."""
+    argv = TINY + RECIPE + ["--steps", "3", "--zero-stage", str(stage), "--precision", precision]
+    losses, model, zero, norms = run_steps(comm, argv)
+    return zp.check(comm, zp.parse_args(argv, comm.Get_size()), losses, norms, zero, model), norms
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, stage, precision", [(1, 3, "fp32"), (2, 1, "fp32"), (3, 2, "fp32"), (4, 3, "fp32"),
+                                                    (3, 3, "bf16")])
+def test_the_recipe_with_the_clip_active_matches_one_process(size, stage, precision):
+    """The norm of the reduced partitions, summed over the ranks, is one process's clip_grad_norm_'s
+    (the check compares the norms too), and the clip and the schedule leave the training its."""
+    with sub_comm(size) as comm:
+        diff, norms = (0.0, [1.0]) if comm is None else recipe_check(comm, stage, precision)
+        assert agree(len(norms) > 0 and min(norms) > 0.05)
+        assert max_everywhere(diff) <= (zp.TOLERANCE_BF16 if precision == "bf16" else zp.TOLERANCE)
+
+
+def norm_before_the_reduce_scatter(monkeypatch):
+    """Planted: the norm of this rank's whole local gradient, unreduced, taken as each layer's
+    reduce-scatter starts (stages 2 and 3), instead of the reduced partitions'."""
+    reduce_scatter, squares = zp.ZeRO.reduce_scatter, []
+
+    def noting(self, layer):
+        squares.append(layer.grad_whole.square().sum().item())
+        reduce_scatter(self, layer)
+
+    def local(self, comm):
+        norm = math.sqrt(sum(squares))
+        squares.clear()
+        return norm
+    monkeypatch.setattr(zp.ZeRO, "reduce_scatter", noting)
+    monkeypatch.setattr(zp.ZeRO, "global_grad_norm", local)
+
+
+def norm_without_the_allreduce(monkeypatch):
+    """Planted: each rank's sum of squares of its own partitions alone (no Allreduce)."""
+    global_grad_norm = zp.ZeRO.global_grad_norm
+    monkeypatch.setattr(zp.ZeRO, "global_grad_norm", lambda self, comm: global_grad_norm(self, zp.MPI.COMM_SELF))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant, size, stage", [(norm_before_the_reduce_scatter, 2, 2),
+                                                (norm_without_the_allreduce, 3, 3)])
+def test_a_norm_of_a_part_of_the_gradient_makes_the_check_fail(plant, size, stage, monkeypatch):
+    """The negative controls of the test above, the clip active. Measured max |diff|: the local unreduced
+    gradient's norm (N = 2) 0.20, the losses and parameters alone 8.8e-5; one rank's partitions alone
+    (N = 3) 0.89, the losses and parameters alone 4.1e-4: each rank clips by its own wrong scale."""
+    plant(monkeypatch)
+    with sub_comm(size) as comm:
+        diff = 0.0 if comm is None else recipe_check(comm, stage)[0]
+        assert max_everywhere(diff) > 10 * zp.TOLERANCE
 
 
 def activation_formula(precision, recompute, b, s, h, heads, layers):
@@ -200,7 +261,7 @@ def test_recomputation_keeps_what_its_formula_says_and_the_same_losses(size, sta
                 timeline = zp.Timeline(CPU)
                 model, zero = zp.shard_model(args, zp.CountedComm(comm, timeline), CPU, timeline)
                 meter = zp.ActivationMeter(zero)
-                losses, _ = zp.train(args, comm, CPU, model, zero, timeline, meter)
+                losses, _, _ = zp.train(args, comm, CPU, model, zero, timeline, meter)
                 kept[recompute], runs[recompute] = meter.kept, (losses, sum(zero.comm.bytes.values()))
                 ok = ok and meter.kept == activation_formula(precision, recompute, 6 // size, 16, 16, 2, 2)
             ok = ok and kept["full"] < kept["selective"] < kept["none"]
@@ -237,7 +298,7 @@ def test_whole_gradients_live_from_their_first_gradient_to_their_reduce_scatter(
             for step in range(2):
                 zero.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
                 ok = ok and len(refs) == 5 * (step + 1) and not any(r() is not None for r in refs)
-                zero.step()
+                zero.step(args.lr)
             ok = ok and (max(held) <= 2 if overlap else max(held) == 5)
         assert agree(ok)
 
@@ -280,6 +341,9 @@ def test_a_layers_reduce_scatter_is_posted_before_backward_reaches_the_layer_bel
     (["--steps", "0"], 1, "--steps must be a positive integer"),
     (["--lr", "nan"], 1, "--lr must be a positive number"),
     (["--resume"], 1, "--resume needs --save DIR"),
+    (["--clip-grad", "-1"], 1, "--clip-grad -1 must be 0 \\(off\\) or more"),
+    (["--warmup-steps", "50"], 1, "--warmup-steps 50 leaves no step after the warm-up of --steps 50"),
+    (["--optimizer", "sgd"], 1, "invalid choice: 'sgd'"),
 ])
 def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
     with pytest.raises(zp.ConfigError, match=words):
@@ -326,13 +390,13 @@ def test_a_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run_there(sav
     tolerance, and --check (4 steps of one process) passes."""
     (n, stage, precision), (m, new_stage) = saved, resumed
     limit = zp.TOLERANCE_BF16 if precision == "bf16" else zp.TOLERANCE
-    folder, flags = world().bcast(str(tmp_path_factory.mktemp("zero")), root=0), SMALL + ["--precision", precision]
+    folder, flags = world().bcast(str(tmp_path_factory.mktemp("zero")), root=0), SMALL + RECIPE + ["--precision", precision]
     first, ok = None, True
     with sub_comm(n) as comm:
         if comm is not None:
             status, (out, _) = run_main(comm, flags + ["--steps", "2", "--zero-stage", str(stage), "--save", folder,
                                                        "--no-check", "--json"], capsys)
-            first = json.loads(out.splitlines()[-1])["losses"] if status == 0 else None
+            first = {k: json.loads(out.splitlines()[-1])[k] for k in ("losses", "grad_norms")} if status == 0 else None
             ok = status == 0 and tiles(json.loads((Path(folder) / "step-000002" / "manifest.json").read_text()))
         assert agree(ok)
     first = world().bcast(first, root=0)
@@ -342,10 +406,11 @@ def test_a_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run_there(sav
             argv = flags + ["--steps", "4", "--zero-stage", str(new_stage)]
             status, (out, _) = run_main(comm, argv + ["--save", folder, "--resume", "--json"], capsys)
             whole = run_steps(comm, argv)[0]  # the uninterrupted run on the new grid
-            run = json.loads(out.splitlines()[-1]) if status == 0 else {"losses": [math.inf] * 4}
+            run = json.loads(out.splitlines()[-1]) if status == 0 else {"losses": [math.inf] * 4, "grad_norms": []}
             diff = max(abs(a - b) for a, b in zip(run["losses"][2:], whole[2:]))
             ok = status == 0 and f"at step 2 (written by {n} ranks) at ZeRO stage {stage}" in out
-            ok = ok and run["losses"][:2] == first and run["check_max_abs_diff"] <= limit
+            ok = ok and run["losses"][:2] == first["losses"] and run["grad_norms"][:2] == first["grad_norms"]
+            ok = ok and len(run["grad_norms"]) == 4 and run["check_max_abs_diff"] <= limit
         assert agree(ok), out if comm is not None else None
         assert max_everywhere(diff) <= limit
 
