@@ -29,19 +29,16 @@ Memory per rank at the peak of a step, for Psi parameters (padding included), wi
   stage 3   16 Psi / N + 2 W + A          16 Psi / N + 1.5 W + A       two neighbouring layers
 W is transient: stage 3 gathers a layer before it computes and the next one while it does (W;
 bf16 W / 2); stages 2 and 3 hold a layer's whole gradient from its first gradient in backward to
-its reduce-scatter's end, two at most (W). bf16 is Megatron's count (bf16 weights, float32
-gradients: 18 Psi; 6 Psi + 12 Psi / N with the optimizer sharded); the paper's has 2-byte
-gradients: stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N.
+its reduce-scatter's end, two at most (W). bf16 is Megatron's count (float32 gradients); the
+paper's has 2-byte gradients: stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N.
 
 Mixed precision, --precision bf16: each layer's whole vector, what forward and backward compute
 with, is bf16 (ZeRO's 2-byte parameters); every stage keeps this rank's partition apart as a
 float32 master (4 Psi / N) that AdamW steps and rounds into its part of the whole vector. Autocast
 casts each activation to bf16 as a matmul takes it; LayerNorm, softmax, the loss and the residual
 stream stay float32 (.float(): on the CPU autocast leaves them in their input's dtype). Gradients
-leave backward in bf16, the parameters' dtype (as in FSDP's mixed precision), and are added into
-the float32 whole gradient and reduce-scattered in float32, as Megatron does: MPI has no bf16 sum
-(a bf16 buffer moves through MPICH's Allgather, but Allreduce with MPI.SUM on it fails), and N
-ranks' small contributions summed in bf16 round away; bf16 would halve their bytes and memory.
+leave backward in bf16 (as in FSDP's mixed precision), are added into the float32 whole gradient
+and reduce-scattered in float32, as Megatron does: MPI has no bf16 sum, and bf16 sums round away.
 
 Communication per step, for G = 4 Psi bytes: stages 1 and 2 reduce-scatter the gradients and
 all-gather the parameters, one call of each per layer; a ring moves (N-1)/N of each vector in and
@@ -49,18 +46,10 @@ out of each rank: 2(N-1)/N x G, what an allreduce (a reduce-scatter, then an all
 Stage 3 all-gathers twice (before forward and backward): 3(N-1)/N x G, 1.5 times that. bf16: the
 reduce-scatter float32 (G), each all-gather bf16 (G / 2): 1.5 G, stage 3 2 G, x (N-1)/N.
 --no-overlap, the baseline: stages 2 and 3 reduce-scatter after backward, stage 3 never prefetches.
---clip-grad: one Allreduce of 4 bytes more (without a clip the norm, a report, is left out of the counts).
 
-The recipe (--clip-grad, --lr-schedule cosine, --warmup-steps; nanoGPT's, AdamW): the rate is the step's
-alone (learning_rate), so a resumed run continues it; the clip scales the gradient by the norm of the
-whole model's. ZeRO holds it once between the ranks: after the reduce-scatter rank r holds partition r
-of every layer's mean gradient, and the padding's gradient is zero, so each rank's sum of squares of its
-partitions, summed over the N ranks by one Allreduce of one float32 (on comm: the ranks that hold the
-distinct parts), is the squared norm of the whole gradient, each element counted once; in float32 in
-bf16 runs too (the gradients are reduced in float32). Every rank then scales its partitions by the same
-max_norm / (norm + 1e-6) when below 1, before AdamW steps them. A norm of the whole local gradient
-before the reduce-scatter would be a rank's slice's, another on every rank; one of a rank's partitions
-alone, without the Allreduce, would miss the other (N-1)/N: either clips by a wrong, differing scale.
+The recipe (--clip-grad, --lr-schedule cosine, --warmup-steps): the clip needs the whole model's
+gradient norm, which ZeRO holds once between the ranks: each rank's sum of squares of its reduced
+partitions, summed by one Allreduce of 4 bytes, counts each element once (ZeRO.global_grad_norm).
 
 A, for b = B/N sequences of s characters, hidden h, a heads, L blocks, V = 128: 8bs + 8s (indices),
 the head's 8bsh (bf16 6bsh) + 16bs + 4bsV + 4 (LayerNorm, float32 logits, targets), L blocks of
@@ -70,12 +59,11 @@ the head's 8bsh (bf16 6bsh) + 16bs + 4bsV + 4 (LayerNorm, float32 logits, target
 none: LayerNorms' float32 inputs (16bs of statistics), the matmuls' inputs (bf16: LayerNorm's
 output cast for q, k and v each), q, k, v, the MLP's two 4h-wide; the s^2 core: the float32 softmax
 (bf16: and its cast), the mask. selective reruns the core in backward (Korthikanti et al. 2022),
-full each block: one more forward. Both by checkpoint(fn, ..., use_reentrant=True): it keeps fn's
-inputs with save_for_backward, where saved-tensor hooks measure them (the other form hides them),
-runs fn without autograd, and in backward reruns it under forward's autocast and backpropagates
-(stage 3: through the layer gathered for backward, so no more bytes move).
-
-The network: tensor_parallel.py's GPT without the key bias (see Block), on argparse, textwrap, shlex.
+full each block: one more forward. Both by checkpoint(fn, ..., use_reentrant=True), which keeps fn's
+inputs with save_for_backward (where saved-tensor hooks measure them) and in backward reruns fn under
+forward's autocast and backpropagates
+(stage 3: through the layer gathered for backward, so no more bytes move). The network:
+tensor_parallel.py's GPT without the key bias (see Block), on argparse, textwrap, shlex.
 
 When to choose it: the model trains with data parallelism, but its parameters, gradients and
 optimizer state do not fit on one device. Stages 1 and 2 cost nothing in traffic, so take them
@@ -239,8 +227,13 @@ class ZeRO:
             layer.partition.grad /= self.world_size  # each rank's loss is the mean of its slice
 
     def global_grad_norm(self, comm):
-        """The norm of the whole mean gradient, in float32 (see the docstring), from the reduced partitions.
-        comm: the ranks that hold the partitions, each once. The same on every rank."""
+        """The norm of the whole mean gradient, the same on every rank, in float32 (bf16 runs reduce in
+        float32): after the reduce-scatter rank r holds partition r of each layer's mean gradient, the
+        padding's is zero, so the squares of its partitions summed over comm (the ranks that hold the
+        distinct parts) count each element once. A norm of the whole local gradient, before the
+        reduce-scatter, would be a slice's, another on each rank; one rank's partitions alone, without
+        the Allreduce, would miss (N-1)/N: either clips by a wrong scale that differs between ranks.
+        Counted only with --clip-grad (without a clip the norm is a report)."""
         squares = torch.stack([layer.partition.grad.square().sum() for layer in self.layers]).sum().reshape(1)
         buffer = mpi_buffer(squares)
         comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)  # + the other ranks' partitions: the whole gradient
