@@ -38,7 +38,7 @@ for a split of the heads and back (Jacobs et al. 2023, DeepSpeed-Ulysses).
      output back; backward mirrors it (dO in; dQ, dK, dV back). N must divide the heads.
 
 Precision: --precision bf16 runs forward and loss under torch.autocast(bfloat16), on the ranks and
-in the one-process reference. Parameters stay float32 (the master weights; SGD's momentum too): a
+in the one-process reference. Parameters stay float32 (the master weights; optimizer state too): a
 linear multiplies a bf16 copy of its weight, kept for backward; gradients land and are summed in
 float32 (Megatron's default: bf16 would halve 4P below, but round small terms away, and MPI cannot
 sum bf16, which it passes as bytes). What only moves is bf16: K/V round the ring, the Allgathers,
@@ -54,7 +54,7 @@ S = b(T/N)h values: one rank's K or V of one layer, e bytes each: 4, or 2 in bf1
   alltoall:  L x 4S x (2+R)e: Q, K, V in and the output back (again if R), dO in and dQ, dK, dV back;
              (N-1)/N leaves the rank. As T grows with N, S stays, where the ring's bytes grow with N
   all:       + 4P (the gradients' Allreduce: ranks saw other tokens of the same sequences) + 8 (the
-             loss, float64: the sum of token losses over all b x T tokens)
+             loss, float64: the sum of token losses over all b x T tokens); the gradient norm: none
 Recomputation: torch.utils.checkpoint, reentrant: it keeps fn's inputs by save_for_backward (there
 the saved-tensor hooks that measure activations see them; the non-reentrant form hides them), runs
 fn without autograd, and in backward reruns it under the forward's autocast and backpropagates.
@@ -388,6 +388,9 @@ def context_parallel_model(args, comm, timeline, device):
     model.attention = ContextParallelAttention(comm, shard_positions(args.seq_len, comm.Get_size(), args.layout),
                                                args.cp_comm, not args.no_overlap, timeline, device)
     model.recompute = args.recompute
+    if args.optimizer == "adamw":  # the recipe's: two float32 moments, whole on every rank as the model: 8P bytes
+        return model, torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                        weight_decay=0.1)
     return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 def sum_gradients(model, comm):
@@ -401,8 +404,36 @@ def sum_gradients(model, comm):
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
 
+# The recipe (--optimizer adamw, --clip-grad, --lr-schedule cosine, --warmup-steps), as nanoGPT's train.py
+def learning_rate(args, step):
+    """The schedule, a function of the step alone (a resume continues it): a linear warm-up over
+    --warmup-steps, then constant, or a cosine from --lr down towards lr / 10 at --steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return args.lr
+    low, progress = args.lr / 10, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))
+
+def global_grad_norm(model):
+    """The norm of the whole gradient, each parameter once, in float32. After sum_gradients every rank
+    holds all of it, the same bits: no exchange, and the same norm (so clip) on every rank. Taken before
+    the sum, of a rank's own share g_r, it would be |g_r|, not |g_0 + ... + g_N-1|: wrong (the shares
+    are terms of one sum, not disjoint parts: no sum of their squares gives it), and another on each
+    rank, whose clips would differ: the replicas would drift apart."""
+    return torch.stack([p.grad.float().square().sum() for p in model.parameters()]).sum().sqrt().item()
+
+def clip_gradients(model, norm, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s rule: every gradient times max_norm / (norm + 1e-6) when that
+    is below 1 (max_norm 0: no clip). The same norm on every rank: the same scale, equal replicas."""
+    scale = max_norm / (norm + 1e-6)
+    if max_norm and scale < 1:
+        for p in model.parameters():
+            p.grad.mul_(scale)
+
 def train_step(model, optimizer, x, y, positions, args, comm, timeline, meter):
-    """One step on this rank's positions of every sequence; returns the loss of the whole batch."""
+    """One step on this rank's positions of every sequence; returns the loss of the whole batch and
+    the global gradient norm (before the clip)."""
     optimizer.zero_grad()
     bf16 = args.precision == "bf16"  # the matmuls on bf16 copies of the float32 weights (the master weights)
     with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
@@ -411,11 +442,13 @@ def train_step(model, optimizer, x, y, positions, args, comm, timeline, meter):
     with timeline.span("compute", "backward"):
         loss.backward()
     sum_gradients(model, comm)
+    norm = global_grad_norm(model)  # after the sum: the whole gradient's norm (before it, a rank's share's)
+    clip_gradients(model, norm, args.clip_grad)
     total = torch.tensor([loss.item()], dtype=torch.float64)
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)  # the loss of all tokens (host memory)
     with timeline.span("compute", "optimizer"):
         optimizer.step()
-    return total.item()
+    return total.item(), norm
 
 
 # On a GPU: MPI reads GPU memory only when the library is CUDA-aware (found at start-up by
@@ -532,31 +565,36 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, run, model, optimizer, meter, past=()):
-    """The steps after the `past` ones (their losses, from a checkpoint). The batch is made whole
-    on the full sequence, targets shifted, then this rank keeps its positions of it."""
-    losses, records = list(past), []
+def train(args, comm, run, model, optimizer, meter, past=((), ())):
+    """The steps after the `past` ones (their losses and gradient norms, from a checkpoint). The batch
+    is made whole on the full sequence, targets shifted, then this rank keeps its positions of it."""
+    (losses, norms), records = map(list, past), []
     positions = shard_positions(args.seq_len, comm.Get_size(), args.layout)[comm.Get_rank()].clone()
-    for step in range(len(past), args.steps):
+    for step in range(len(losses), args.steps):
         start = time.perf_counter()
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         x, y = x[:, positions].to(run.device), y[:, positions].to(run.device)
-        losses.append(train_step(model, optimizer, x, y, positions.to(run.device), args, comm, run.timeline, meter))
+        for group in optimizer.param_groups:  # by the global step: a resumed run goes on where it was
+            group["lr"] = learning_rate(args, step)
+        loss, norm = train_step(model, optimizer, x, y, positions.to(run.device), args, comm, run.timeline, meter)
+        losses.append(loss)
+        norms.append(norm)
         records.append(run.timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print_progress(comm, args, step, losses[-1], records[-1])
-        # Every rank holds the same model: rank 0 alone writes it, each parameter and its SGD momentum
-        # whole by the model's own names, with the losses (model_shard). A resume at any N, --layout or
-        # --cp-comm gives every rank all of it (rank 0 reads the one file and broadcasts it): the
-        # positions a rank holds are a function of (N, layout), not state.
-        checkpoint_if_due(comm, args, step, lambda: model_shard(comm, args, model, optimizer, losses),
+            print_progress(comm, args, step, loss, records[-1], norm)
+        # Every rank holds the same model: rank 0 alone writes it, each parameter and its optimizer's
+        # state (SGD's momentum; AdamW's exp_avg, exp_avg_sq) whole by the model's own names, with the
+        # losses and norms (model_shard). A resume at any N, --layout or --cp-comm gives every rank all of
+        # it (rank 0 reads the one file and broadcasts it): the positions a rank holds are a function of
+        # (N, layout), not state.
+        checkpoint_if_due(comm, args, step, lambda: model_shard(comm, args, model, optimizer, losses, norms),
                           model_config(args))
-    return losses, records
+    return losses, norms, records
 
 def model_config(args):
-    """What a checkpoint's model depends on (every rank holds all of it: any world size resumes)."""
+    """What a checkpoint's model and optimizer state depend on (every rank holds all: any N resumes)."""
     return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-            "seq_len": args.seq_len, "vocab": VOCAB}
+            "seq_len": args.seq_len, "vocab": VOCAB, "optimizer": args.optimizer}
 
 def main(argv=None, comm=MPI.COMM_WORLD):
     """Parse, set up, train, check, report. Returns the exit status of this rank."""
@@ -566,26 +604,26 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         run = setup(comm, args)
         counted = CountedComm(comm, run.timeline)
         model, optimizer = context_parallel_model(args, counted, run.timeline, run.device)
-        past, resumed = [], None
+        past, resumed = ((), ()), None
         if args.resume:
             resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
-                                              lambda manifest: model_regions(model), args.steps)
+                                              lambda manifest: model_regions(model, args), args.steps)
             if blocks is not None:
                 past = restore(model, optimizer, resumed, blocks)
         print_header(comm, args, run, model, resumed)
         meter = SavedBytes(model)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
-        losses, records = train(args, counted, run, model, optimizer, meter, past)
+        losses, norms, records = train(args, counted, run, model, optimizer, meter, past)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
     if len(set(comm.allgather(checksum(model)))) != 1:
         raise RuntimeError("model replicas diverged")
-    diff = check(comm, args, losses, model) if args.check else None
+    diff = check(comm, args, losses, norms, model) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, model, losses, records, counted, meter, diff)
+    return report(comm, args, run, model, losses, norms, records, counted, meter, diff)
 
 
 # =============================================================================
@@ -598,26 +636,33 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # --- Check against single-process training -----------------------------------
 # What the reference shares with the ranks: build_model (the GPT class and its initial weights, the
 # same on both sides by construction: the model is not what is split), make_batch (the same data)
-# and F.cross_entropy. All that the check proves is written apart: the reference attends with
-# causal_attention, one softmax over whole sequences with a triu mask, and none of shard_positions,
-# block_plan, block_attention, merge, block_gradients, softmax_delta, the exchanges and the
-# hand-written backwards; it takes the mean loss where the ranks sum theirs and their gradients.
+# and F.cross_entropy, and learning_rate (the schedule's formula, tested alone against its values).
+# All that the check proves is written apart: the reference attends with causal_attention, one
+# softmax over whole sequences with a triu mask, and none of shard_positions, block_plan,
+# block_attention, merge, block_gradients, softmax_delta, the exchanges and the hand-written
+# backwards; it takes the mean loss where the ranks sum theirs and their gradients; it builds its
+# optimizer itself and clips (and takes the norm) with torch.nn.utils.clip_grad_norm_.
 def reference_training(args):
     """The same steps in one plain process on the CPU: whole sequences, plain causal attention
-    (the T x T weights of every head), F.cross_entropy's mean. Also the bytes its first forward
-    saved for backward."""
+    (the T x T weights of every head), F.cross_entropy's mean, the same recipe. Also the gradient
+    norms and the bytes its first forward saved for backward."""
     model = build_model(args)
-    optimizer, meter = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), SavedBytes(model)
-    losses, positions = [], torch.arange(args.seq_len)
+    optimizer, meter = (torch.optim.AdamW(model.parameters(), args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+                        if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), args.lr, momentum=0.9),
+                        SavedBytes(model))
+    losses, norms, positions = [], [], torch.arange(args.seq_len)
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         with meter if step == 0 else contextlib.nullcontext(), autocast(args):
             loss = F.cross_entropy(model(x, positions).float().flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args, step)
         optimizer.step()
         losses.append(loss.item())
-    return losses, model, meter.bytes
+    return losses, norms, model, meter.bytes
 
 def one_process_activations(args):
     """Bytes saved for backward by the first step's forward and loss as train_step computes them,
@@ -634,14 +679,21 @@ def one_process_activations(args):
 def autocast(args):  # the ranks' bf16, on the CPU where the reference runs
     return torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16")
 
-def check(comm, args, losses, model):
-    """Rank 0 trains the reference on its CPU and compares (every rank holds the same model);
-    every rank gets the largest difference and the one-process activation bytes."""
+# The gradient norms, compared relative to their size (a sum over every gradient, of 1 to 6 here), join
+# the max |diff| in fp32 and stand beside it in bf16. Measured, the default 40 steps at N = 2: fp32 2.3e-6
+# (SGD), 2.1e-6 (AdamW, --lr 1e-3, --clip-grad 1, cosine: 1.1e-5 absolute, the largest term); bf16 5.5e-2
+# and 2.1e-2 (their parameters 3.9e-3, 7.8e-3): the two sides' bf16 roundings part the norms by percents.
+def check(comm, args, losses, norms, model):
+    """Rank 0 trains the reference on its CPU and compares (every rank holds the same model); every
+    rank gets the largest difference, the one-process activation bytes and the gradient norms' largest
+    relative difference (joined in the first in fp32)."""
     result = None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model, plain_bytes = reference_training(args)
-        result = (max_difference(losses, model.state_dict(), ref_losses, ref_model), plain_bytes,
-                  one_process_activations(args))
+        ref_losses, ref_norms, ref_model, plain_bytes = reference_training(args)
+        diff = max_difference(losses, model.state_dict(), ref_losses, ref_model)
+        norm_diff = max(abs(a - b) / (b or 1) for a, b in zip(norms, ref_norms))
+        result = (max(diff, norm_diff) if args.precision == "fp32" else diff, plain_bytes,
+                  one_process_activations(args), norm_diff)
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(POLL_S)  # the other ranks leave the cores to rank 0, which trains the reference
@@ -697,29 +749,39 @@ def checksum(model):
         crc = zlib.crc32(p.detach().cpu().contiguous().numpy().tobytes(), crc)
     return crc
 
-def model_shard(comm, args, model, optimizer, losses):
-    """What rank 0 saves, the others nothing (every rank holds the same model): each parameter and
-    its SGD momentum, whole; as state the losses so far and the grid that wrote them."""
+# The optimizer's state of a parameter as a checkpoint names it (key/<name>), and as torch does
+OPTIMIZER_STATE = {"sgd": {"momentum": "momentum_buffer"}, "adamw": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
+
+def model_shard(comm, args, model, optimizer, losses, norms):
+    """What rank 0 saves, the others nothing (every rank holds the same model): each parameter and its
+    optimizer's state, whole; as state the losses and norms so far, AdamW's step count, the grid."""
     if comm.Get_rank() != 0:
         return {}, None
     pieces = {name: piece(t) for name, t in model.state_dict().items()}
-    pieces.update({f"momentum/{name}": piece(optimizer.state[p]["momentum_buffer"])
-                   for name, p in model.named_parameters() if "momentum_buffer" in optimizer.state[p]})
+    pieces.update({f"{key}/{name}": piece(optimizer.state[p][field]) for name, p in model.named_parameters()
+                   for key, field in OPTIMIZER_STATE[args.optimizer].items() if field in optimizer.state[p]})
     grid = {"world_size": comm.Get_size(), "layout": args.layout, "cp_comm": args.cp_comm}
-    return pieces, {"losses": list(losses), "grid": grid}
+    steps = {"adamw_step": int(optimizer.state[next(model.parameters())]["step"])} if args.optimizer == "adamw" else {}
+    return pieces, {"losses": list(losses), "grad_norms": list(norms), "grid": grid, **steps}
 
-def model_regions(model):
-    """What every rank asks a checkpoint for, whatever grid wrote it: all of the model and its momentum."""
+def model_regions(model, args):
+    """What every rank asks a checkpoint for, whatever grid wrote it: all of the model and its optimizer's state."""
     shapes = {name: t.shape for name, t in model.state_dict().items()}
-    shapes.update({f"momentum/{name}": p.shape for name, p in model.named_parameters()})
+    shapes.update({f"{key}/{name}": p.shape for name, p in model.named_parameters()
+                   for key in OPTIMIZER_STATE[args.optimizer]})
     return {key: region(shape) for key, shape in shapes.items()}
 
 def restore(model, optimizer, manifest, blocks):
-    """Every rank loads the one saved model and momentum (any N, layout, --cp-comm); returns the losses so far."""
+    """Every rank loads the one saved model and optimizer state (any N, layout, --cp-comm); returns
+    the losses and gradient norms so far."""
     model.load_state_dict({name: blocks[name] for name in model.state_dict()})
+    state = manifest["state"]
     for name, p in model.named_parameters():
-        optimizer.state[p]["momentum_buffer"] = blocks[f"momentum/{name}"].to(p.device)
-    return manifest["state"]["losses"]
+        for key, field in OPTIMIZER_STATE[manifest["config"]["optimizer"]].items():
+            optimizer.state[p][field] = blocks[f"{key}/{name}"].to(p.device)
+        if "adamw_step" in state:  # torch keeps it per parameter, as a float32 tensor on the CPU
+            optimizer.state[p]["step"] = torch.tensor(float(state["adamw_step"]))
+    return state["losses"], state["grad_norms"]
 
 # --- Report: header, the summary and --json ----------------------------------
 def formulas(args, world_size, params):
@@ -760,7 +822,7 @@ def print_header(comm, args, run, model, resumed):
            f"text: {' + '.join(s + '.py' for s in SOURCES)} of Python {sys.version.split()[0]} "
            f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes")
 
-def report(comm, args, run, model, losses, records, counted, meter, checked):
+def report(comm, args, run, model, losses, norms, records, counted, meter, checked):
     """The summary lines and the file's JSON keys; finish() prints them with the house's."""
     n, steps_run = comm.Get_size(), max(1, len(records))
     params = sum(p.numel() for p in model.parameters())
@@ -771,7 +833,7 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
     pairs = comm.allgather(tally["pairs"] // max(1, tally["calls"]))
     scores = comm.allgather(tally["scores"] // max(1, tally["calls"]))
     saved = comm.allgather(meter.bytes)
-    diff, plain, one = checked if checked else (None, None, None)
+    diff, plain, one, norm_diff = checked if checked else (None, None, None, None)
     overlap = {}
     if args.cp_comm == "ring":
         overlap["kv_messages_under_compute"] = [int(v) for v in comm.allreduce(
@@ -787,11 +849,16 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
              f"{4 * params + 8:,} (gradients, loss) = {total_formula:,}",
              f"causal pairs per rank (one layer and sequence, over its heads): {pairs}, formula {pairs_formula}; "
              f"scores computed (masked or not): {scores}, formula {scores_formula}",
+             f"global gradient norm (after the Allreduce, no exchange): first {norms[0]:.4f}, last {norms[-1]:.4f}"
+             + (f"; clipped to {args.clip_grad:g} in {sum(n > args.clip_grad for n in norms)} of {len(norms)} steps"
+                if args.clip_grad else ""),
              f"activation bytes saved for backward per rank: {', '.join(f'{b:,}' for b in saved)}, formula "
              f"{saved_formula:,} (--recompute {args.recompute})"
              + (f"; one process (this attention, whole sequence): {one:,}, against {n} x rank 0's {n * saved[0]:,}; "
                 f"plain attention: {plain:,} (it saves the T x T weights)" if one else "")]
-    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+    compared = ("losses, parameters, gradient norms relative" if args.precision == "fp32" else
+                f"losses, parameters; gradient norms beside it, relative: {norm_diff:.1e}") if checked else ""
+    return finish(comm, args, run, losses, records, diff, compared, lines, {
         "cp_layout": args.layout, "cp_comm": args.cp_comm, "overlap": overlap,
         "comm_bytes_per_step": max(comm.allgather(sent)), "comm_bytes_formula": total_formula,
         "collectives_per_step": sum(c for name, c in calls.items() if name not in ("Isend", "Irecv")),
@@ -799,7 +866,8 @@ def report(comm, args, run, model, losses, records, counted, meter, checked):
         "causal_pairs_per_rank": pairs, "causal_pairs_formula": pairs_formula, "scores_computed_per_rank": scores,
         "scores_computed_formula": scores_formula,
         "activation_bytes_per_rank": saved, "activation_bytes_formula": saved_formula, "activation_bytes_one_process": one,
-        "activation_bytes_plain_attention": plain, "parameters": params})
+        "activation_bytes_plain_attention": plain, "parameters": params, "grad_norms": norms,
+        "check_grad_norm_max_rel_diff": norm_diff})
 
 def parse_args(argv, world_size):
     p = common_arguments("Context parallelism over MPI: ring attention on a small GPT, the sequence split.",
@@ -813,7 +881,17 @@ def parse_args(argv, world_size):
     p.add_argument("--cp-comm", choices=tuple(VARIANTS), default="ring",
                    help="how attention sees the whole sequence: K and V round a ring, gathered, or heads by all-to-all")
     p.add_argument("--no-overlap", action="store_true", help="ring baseline: wait for each exchange before computing")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="SGD with momentum 0.9, or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.0,
+                   metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM (0: no clip)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s gets lr (s + 1) / W")
     args = check_common(p.parse_args(argv))
+    if args.warmup_steps >= args.steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} must be below --steps {args.steps}: the warm-up "
+                          f"would take every step; use fewer warm-up steps or more steps")
     n, t = world_size, args.seq_len
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
@@ -845,9 +923,10 @@ def max_difference(losses, state, ref_losses, ref_model):
     return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: progress, the summary and --json, --trace -----------------------
-def print_progress(comm, args, step, loss, record):
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
-                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+def print_progress(comm, args, step, loss, record, norm=None):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | " + (f"norm {norm:.4f} | " if norm is not None else "")
+           + f"{record['step_s'] * 1e3:.1f} ms/step | comm {record['comm_s'] * 1e3:.1f} ms | "
+             f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
 def finish(comm, args, run, losses, records, diff, compared, lines, keys):
     """The summary: the file's own `lines`, the split of a step (medians over the steps after the
@@ -937,14 +1016,12 @@ def fsync_folder(path):  # the names a folder holds, made durable as its files' 
     os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard, (pieces, state) from make_shard, goes into root/.tmp-step-N: pieces maps a
-    name to (tensor, the whole's shape, where the tensor starts in it), see piece(); state (small,
-    JSON) is kept from the first rank that gives one. Rank 0 then writes the manifest, the index of
-    which file holds which region of which tensor, and renames the folder to step-N (files and
-    folder fsynced before, the parent after): a job killed before the rename leaves the previous
-    checkpoint as it was. A region that an earlier file holds already (a replicated parameter) is
-    left out of the index. A write that fails on any rank (a full disk) ends the job on every rank
-    with one line, the previous checkpoint whole."""
+    """Each rank's shard, (pieces, state): pieces {key: piece(...)}, state a small JSON dict (the
+    first rank's that gives one is kept), goes into root/.tmp-step-N. Rank 0 writes the manifest, the
+    index of which file holds which block of which tensor (a block an earlier file holds, replicated,
+    left out), and renames the folder to step-N, fsynced before and the parent after: a job killed
+    before the rename leaves the previous checkpoint as it was. A write that fails on any rank (a
+    full disk) ends the job on every rank with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
     pieces, state = shard
     files, error = {}, None
@@ -994,8 +1071,8 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def piece(tensor, shape=None, offset=None):
-    """A tensor as a checkpoint holds it: a CPU copy (a view would save its whole storage), the
-    shape of the whole it is a block of, and the index where it starts in each dimension."""
+    """A tensor as a checkpoint holds it: a CPU copy (not a view of a larger storage), the shape of
+    the whole it is a block of, and where it starts in each dimension."""
     copy = tensor.detach().cpu().clone()
     return copy, list(shape or copy.shape), list(offset or [0] * copy.dim())
 
@@ -1064,11 +1141,10 @@ def assemble(manifest, wanted, tensors):
 
 def load_checkpoint(comm, root, config, wanted, steps):
     """The newest checkpoint whose every file that some rank needs is whole: its manifest and the
-    blocks this rank asked for, wanted(manifest) = {key: region(...)}, each cut from the pieces
-    that overlap it, whatever the grid that wrote them; (None, None) when root holds none yet (a
-    batch job's first run). Every rank's blocks come from that one checkpoint: a damaged file
-    makes all ranks fall back together to the one before, and rank 0 says which and why. One that
-    does not fit this run (another strategy, model or tensor shape) is a ConfigError on every rank."""
+    blocks this rank asks for, wanted(manifest) = {key: region(...)}, cut from the pieces that overlap
+    them whatever the grid that wrote them; (None, None) when root holds none yet (a first run). All
+    ranks take theirs from that one checkpoint: a damaged file makes every rank fall back to the one
+    before, and rank 0 says why. One that does not fit this run is a ConfigError on every rank."""
     found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
     if not found:
         print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
@@ -1261,18 +1337,23 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_CO
                         "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID", "SLURM_LOCALID")
 # How many ranks the launcher started: PMI (MPICH, srun --mpi=pmi2), Open MPI, MVAPICH; last, srun's
 # count of a step whose ranks it started itself (srun --mpi=pmix sets no size of PMIx's own).
-WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE", "SLURM_STEP_NUM_TASKS")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PALS_RANKID", "FLUX_TASK_RANK", "SLURM_PROCID")
 
 def launcher_local_rank():
     """This rank's index on its node, as the launcher tells it."""
     return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
 
 def check_one_job(world_size):
-    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused."""
+    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused before
+    anything is written, in one line from the launcher's rank 0 alone (each job's rank 0 would say it)."""
     told = next((v for v in WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), None)
     if told and int(os.environ[told]) > 1 and world_size == 1:
-        raise ConfigError(f"the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would train "
-                          f"alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or rebuild mpi4py")
+        if next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v, "").isdigit()), "0") == "0":
+            print(f"error: the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would "
+                  f"train alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or "
+                  f"rebuild mpi4py", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 def node_cores(node):
     """The cores the ranks of this node may run on, together (their affinity, e.g. a Slurm cgroup)."""
@@ -1299,7 +1380,6 @@ def setup(comm, args):
     """This rank's device, whether MPI reads its memory, the timeline, the memory meter, and the
     header's facts."""
     global CUDA_AWARE, SLEEP_WHILE_WAITING
-    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     launcher = launcher_local_rank()
@@ -1313,7 +1393,7 @@ def setup(comm, args):
         device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
-        CUDA_AWARE = mpi_cuda_aware(comm)
+        CUDA_AWARE, decided = mpi_cuda_aware(comm)
         if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
             try:
                 torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
@@ -1322,7 +1402,7 @@ def setup(comm, args):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic = True
             torch.use_deterministic_algorithms(True, warn_only=True)
-        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        transport = f"{'direct (CUDA-aware MPI' if CUDA_AWARE else 'staged through host memory ('}{decided})"
         uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
         if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
             notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
@@ -1338,29 +1418,43 @@ def setup(comm, args):
     return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies is
-    refused); else MPI 4.1's mpi_memory_alloc_kinds if it lists cuda; else MPIX_Query_cuda_support."""
+    """Can MPI read GPU memory, and how was that decided? MPI_CUDA_AWARE=1|0 when set, no library
+    probed (a debug MPICH before 4.0 asserts in its query); a 1 the memory kinds contradict is a
+    warning (Open MPI without CUDA over a CUDA UCX lists none, and reads GPU memory). Unset: MPI 4.1's
+    memory kinds; Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1 with its GTL library loaded; else
+    MPIX_Query_cuda_support, whose yes in Open MPI 4 tells only how the library was built."""
     try:
         kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
     except (MPI.Exception, NotImplementedError, AttributeError):
         kinds = None
-    says = True if kinds is not None and cuda_in_kinds(kinds) else mpix_query_cuda_support()  # not listed: unknown
     forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced == "1" and says is False:
-        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
-                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
-                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
-    return forced == "1" if forced in ("0", "1") else bool(says)
+    if forced in ("0", "1"):
+        doubt = forced == "1" and kinds is not None and not cuda_in_kinds(kinds)
+        return forced == "1", f"MPI_CUDA_AWARE={forced}" + (f"; warning: the library's memory kinds "
+                                                           f"({kinds}) list no cuda" if doubt else "")
+    if kinds is not None and cuda_in_kinds(kinds):
+        return True, f"memory kinds {kinds}"
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1" and mpi_libraries_loaded("libmpi_gtl_cuda"):
+        return True, "Cray MPICH: MPICH_GPU_SUPPORT_ENABLED=1, its GTL library loaded"
+    says = mpix_query_cuda_support()
+    if says and mpi_library().startswith("Open MPI v4"):
+        return True, ("probably: Open MPI 4's MPIX_Query_cuda_support says how it was built, not what its "
+                      "transport can do; MPI_CUDA_AWARE=0 stages")
+    return bool(says), "MPIX_Query_cuda_support" if says is not None else "no sign of CUDA support"
 
 def cuda_in_kinds(kinds):
     """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
     at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
     return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
 
+def mpi_libraries_loaded(name="libmpi"):
+    """The paths of the libraries loaded in this process whose path holds name (Linux)."""
+    maps = "/proc/self/maps"
+    return sorted({line.split()[-1] for line in open(maps) if name in line} if os.path.exists(maps) else [])
+
 def mpix_query_cuda_support():
     """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
-    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
-    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+    for path in mpi_libraries_loaded():
         query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
         if query is not None:
             return bool(query())
@@ -1457,7 +1551,9 @@ def check_common(args):
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
-    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates.
+    First of all, N one-rank jobs are refused: they would write N probes in one folder."""
+    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     rank, error = comm.Get_rank(), None
     try:
         if args.save:

@@ -113,14 +113,15 @@ def test_attention_block_by_block_merged_equals_one_softmax_without_mpi(capsys):
 
 
 def train(comm, argv, steps=3):
-    """Train SMALL for `steps` on comm; the model, its counted communicator, the meter, the losses."""
+    """Train SMALL for `steps` on comm; the model, its counted communicator, the meter, the losses
+    and the gradient norms."""
     args = cp.parse_args(SMALL + ["--steps", str(steps), *argv], comm.Get_size())
     counted = cp.CountedComm(comm, cp.Timeline(CPU))
     run = cp.types.SimpleNamespace(device=CPU, timeline=counted.timeline)
     model, optimizer = cp.context_parallel_model(args, counted, run.timeline, CPU)
     meter = cp.SavedBytes(model)
-    losses, _ = cp.train(args, counted, run, model, optimizer, meter)
-    return args, model, counted, meter, losses
+    losses, norms, _ = cp.train(args, counted, run, model, optimizer, meter)
+    return args, model, counted, meter, losses, norms
 
 
 @pytest.mark.mpi
@@ -136,8 +137,8 @@ def test_training_equals_one_process_at_every_size_with_counts_beside_their_form
         with sub_comm(size) as comm:
             diff = 0.0
             if comm is not None:
-                args, model, counted, meter, losses = train(comm, ["--layout", layout, "--cp-comm", cp_comm])
-                diff, plain, one = cp.check(comm, args, losses, model)
+                args, model, counted, meter, losses, norms = train(comm, ["--layout", layout, "--cp-comm", cp_comm])
+                diff, plain, one, _ = cp.check(comm, args, losses, norms, model)
                 params = sum(p.numel() for p in model.parameters())
                 sent = sum(b for name, b in counted.bytes.items() if name != "Irecv") / args.steps
                 total, _, pairs, scores, activations = cp.formulas(args, size, params)
@@ -187,9 +188,9 @@ def test_bf16_equals_one_process_in_bf16_with_bytes_and_activations_beside_their
             diff = 0.0
             if comm is not None:
                 layout = "contiguous" if size == 3 else "zigzag"
-                args, model, counted, meter, losses = train(comm, ["--layout", layout, "--cp-comm", cp_comm,
-                                                                   "--precision", "bf16"])
-                diff = cp.check(comm, args, losses, model)[0]
+                args, model, counted, meter, losses, norms = train(comm, ["--layout", layout, "--cp-comm", cp_comm,
+                                                                          "--precision", "bf16"])
+                diff = cp.check(comm, args, losses, norms, model)[0]
                 total, _, _, _, activations = cp.formulas(args, size, sum(p.numel() for p in model.parameters()))
                 if sent_per_step(counted, args.steps) != total or meter.bytes != activations:
                     failures.append((size, sent_per_step(counted, args.steps), total, meter.bytes, activations))
@@ -213,8 +214,8 @@ def test_recompute_saves_its_formula_repeats_the_forward_exchange_and_keeps_the_
             for cp_comm in ("ring", "allgather", "alltoall"):
                 runs = {}
                 for recompute in ("none", "selective", "full"):
-                    args, model, counted, meter, losses = train(comm, ["--cp-comm", cp_comm, "--precision", precision,
-                                                                       "--recompute", recompute], steps=2)
+                    flags = ["--cp-comm", cp_comm, "--precision", precision, "--recompute", recompute]
+                    args, model, counted, meter, losses, _ = train(comm, flags, steps=2)
                     total, _, _, _, activations = cp.formulas(args, n, sum(p.numel() for p in model.parameters()))
                     calls = {k: c // args.steps for k, c in counted.calls.items()}
                     runs[recompute] = (losses, meter.bytes, calls)
@@ -229,13 +230,13 @@ def test_recompute_saves_its_formula_repeats_the_forward_exchange_and_keeps_the_
                 if not full < selective < none or any(r[0] != plain for r in runs.values()):
                     failures.append((cp_comm, full, selective, none, [r[0] for r in runs.values()]))
             if precision == "bf16":
-                args, model, _, meter, _ = train(comm, ["--precision", "bf16"], steps=1)
+                args, model, _, meter, _, _ = train(comm, ["--precision", "bf16"], steps=1)
                 class CountingCopies(cp.SavedBytes):
                     def __init__(self, model):
                         super().__init__(model)
                         self.ids = set()  # the plant: no parameter known, so their bf16 copies count
                 monkeypatch.setattr(cp, "SavedBytes", CountingCopies)
-                _, _, _, counting, _ = train(comm, ["--precision", "bf16"], steps=1)
+                _, _, _, counting, _, _ = train(comm, ["--precision", "bf16"], steps=1)
                 copies = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
                 if counting.bytes - meter.bytes != copies:
                     failures.append(("copies", counting.bytes - meter.bytes, copies))
@@ -252,7 +253,7 @@ def test_kv_messages_are_in_flight_while_blocks_compute_and_not_without_overlap(
         counts = {}
         if comm is not None:
             for flag in ([], ["--no-overlap"]):
-                _, _, counted, _, _ = train(comm, flag, steps=1)
+                _, _, counted, _, _, _ = train(comm, flag, steps=1)
                 counts[bool(flag)] = cp.kv_messages_under_compute(counted.timeline.step_events)
         L = 2
         assert agree(comm is None or counts == {False: [L * (6 * size - 6), L * (6 * size - 4)],
@@ -263,23 +264,28 @@ def test_kv_messages_are_in_flight_while_blocks_compute_and_not_without_overlap(
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_check_reports_a_nudged_parameter_or_loss_and_nan(precision):
     """Negative control in process: the trained state nudged by 1.5 x the precision's tolerance (a
-    parameter on every rank, or the last loss), or a NaN, must be reported above the tolerance."""
+    parameter on every rank, or the last loss), or a NaN, must be reported above the tolerance; the
+    last gradient norm nudged by 1.5 x the tolerance of itself too, in fp32 (in bf16 the norms'
+    relative difference stands beside the check, and must show it there)."""
     tolerance = limit(precision)
     with sub_comm(2) as comm:
         failures = []
         if comm is not None:
-            args, model, _, _, losses = train(comm, ["--precision", precision], steps=2)
+            args, model, _, _, losses, norms = train(comm, ["--precision", precision], steps=2)
             p = next(model.parameters()).detach().view(-1)
-            if not cp.check(comm, args, losses, model)[0] <= tolerance:
+            if not cp.check(comm, args, losses, norms, model)[0] <= tolerance:
                 failures.append("unperturbed")
             p[0] += 1.5 * tolerance
-            if not cp.check(comm, args, losses, model)[0] > tolerance:
+            if not cp.check(comm, args, losses, norms, model)[0] > tolerance:
                 failures.append("parameter")
             p[0] -= 1.5 * tolerance
-            if not cp.check(comm, args, losses[:-1] + [losses[-1] + 1.5 * tolerance], model)[0] > tolerance:
+            if not cp.check(comm, args, losses[:-1] + [losses[-1] + 1.5 * tolerance], norms, model)[0] > tolerance:
                 failures.append("loss")
+            nudged = cp.check(comm, args, losses, norms[:-1] + [norms[-1] * (1 + 1.5 * tolerance)], model)
+            if not nudged[0 if precision == "fp32" else 3] > tolerance:
+                failures.append("norm")
             p[0] = math.nan
-            if not cp.check(comm, args, losses, model)[0] > tolerance:
+            if not cp.check(comm, args, losses, norms, model)[0] > tolerance:
                 failures.append("NaN")
         assert agree(comm is None or not failures), failures
 
@@ -299,9 +305,80 @@ def test_gradients_divided_once_more_by_n_fail_the_check(precision, monkeypatch)
     with sub_comm(2) as comm:
         diff = None
         if comm is not None:
-            args, model, _, _, losses = train(comm, ["--precision", precision])
-            diff = cp.check(comm, args, losses, model)[0]
+            args, model, _, _, losses, norms = train(comm, ["--precision", precision])
+            diff = cp.check(comm, args, losses, norms, model)[0]
         assert agree(comm is None or diff > limit(precision)), diff
+
+
+# --- The recipe: AdamW, the global gradient norm clipped, a warm-up then a cosine -------------------
+# --lr 1e-3, AdamW's scale (the default 0.1 is SGD's). AdamW moves each parameter by about lr whatever
+# the size of its gradient, rounding included: the key bias's gradient is rounding alone (zero in exact
+# arithmetic: the softmax ignores a constant added to a query's scores). Measured at these 3 steps,
+# N = 1 to 4, the three variants: fp32 at most 7.2e-7 (at --lr 0.1, 7.9e-5 in the key bias: over
+# TOLERANCE); bf16 at most 2.0e-3, about 2 x lr (elements whose step turned with the rounding).
+CLIP = 0.05  # below every step's norm (1.7 to 2.6 here): every step is clipped
+RECIPE = ["--optimizer", "adamw", "--lr", "1e-3", "--lr-schedule", "cosine", "--warmup-steps", "1",
+          "--clip-grad", str(CLIP)]
+
+
+@pytest.mark.mpi
+def test_the_recipe_equals_one_process_at_every_size_with_the_clip_active():
+    """AdamW, one warm-up step then the cosine, the norm clipped on every step: losses, gradient norms
+    and parameters within TOLERANCE of one process that clips with torch.nn.utils.clip_grad_norm_, at
+    N = 1 to 4 (a variant and layout each); in bf16 at N = 2, losses and parameters within
+    TOLERANCE_BF16 (the norms stand beside that check). Every rank computed the same norms, and
+    handed MPI no more bytes than the formula's (the norm has no exchange)."""
+    failures = []
+    for size, layout, cp_comm, precision in [(1, "zigzag", "ring", "fp32"), (2, "contiguous", "allgather", "fp32"),
+                                             (3, "zigzag", "ring", "fp32"), (4, "zigzag", "alltoall", "fp32"),
+                                             (2, "zigzag", "ring", "bf16")]:
+        with sub_comm(size) as comm:
+            diff = 0.0
+            if comm is not None:
+                flags = RECIPE + ["--layout", layout, "--cp-comm", cp_comm, "--precision", precision]
+                args, model, counted, _, losses, norms = train(comm, flags)
+                diff = cp.check(comm, args, losses, norms, model)[0]
+                if min(norms) <= CLIP or len({tuple(n) for n in comm.allgather(norms)}) != 1:
+                    failures.append((size, precision, "norms", norms))
+                if sent_per_step(counted, args.steps) != cp.formulas(args, size, sum(p.numel() for p in
+                                                                                    model.parameters()))[0]:
+                    failures.append((size, precision, "bytes", dict(counted.bytes)))
+            if max_everywhere(diff) > limit(precision):
+                failures.append((size, precision, "diff", diff))
+    assert agree(not failures), failures
+
+
+@pytest.mark.mpi
+def test_the_norm_of_a_ranks_partial_gradient_fails_the_check_and_splits_the_replicas(monkeypatch):
+    """A planted bug: the norm taken before the Allreduce, of the rank's own share of the gradient,
+    and the summed gradient clipped by it. With the recipe, the clip active, at N = 2: the check must
+    FAIL, the two ranks' norms differ, and so do the replicas, clipped by different scales."""
+    sum_gradients, global_grad_norm, partial = cp.sum_gradients, cp.global_grad_norm, []
+
+    def norm_then_sum(model, comm):
+        partial.append(global_grad_norm(model))  # this rank's share alone
+        sum_gradients(model, comm)
+    monkeypatch.setattr(cp, "sum_gradients", norm_then_sum)
+    monkeypatch.setattr(cp, "global_grad_norm", lambda model: partial.pop())
+    with sub_comm(2) as comm:
+        result = None
+        if comm is not None:
+            args, model, _, _, losses, norms = train(comm, RECIPE)
+            result = (cp.check(comm, args, losses, norms, model)[0], len({tuple(n) for n in comm.allgather(norms)}),
+                      len(set(comm.allgather(cp.checksum(model)))))
+        assert agree(result is None or (result[0] > cp.TOLERANCE and result[1:] == (2, 2))), result
+
+
+def test_the_schedule_warms_up_then_holds_or_falls_by_a_cosine_towards_a_tenth():
+    """learning_rate against values worked by hand (--lr 1): the reference shares it, so this is its check."""
+    def rates(schedule, warmup, steps):
+        args = cp.parse_args(["--lr", "1", "--lr-schedule", schedule, "--warmup-steps", str(warmup),
+                              "--steps", str(steps)], 1)
+        return [cp.learning_rate(args, step) for step in range(steps)]
+    assert rates("constant", 2, 5) == [0.5, 1, 1, 1, 1]
+    assert rates("cosine", 2, 5) == pytest.approx([0.5, 1, 1, 0.775, 0.325])  # 0.1 + 0.45 (1 + cos(pi k / 3))
+    half = 0.5 ** 0.5  # cos(pi / 4)
+    assert rates("cosine", 0, 4) == pytest.approx([1, 0.1 + 0.45 * (1 + half), 0.55, 0.1 + 0.45 * (1 - half)])
 
 
 @pytest.mark.mpi
@@ -322,10 +399,10 @@ def test_staged_through_host_memory_no_receive_buffer_is_copied_in(cp_comm, monk
     with sub_comm(2) as comm:
         result = None
         if comm is not None:
-            args, model, counted, _, losses = train(comm, ["--cp-comm", cp_comm], steps=2)
+            args, model, counted, _, losses, norms = train(comm, ["--cp-comm", cp_comm], steps=2)
             sent = sum(b for name, b in counted.bytes.items() if name != "Irecv")
             result = (sum(copied), sent - 8 * args.steps)  # before the check, whose reference stages too
-            result = (cp.check(comm, args, losses, model)[0], *result)
+            result = (cp.check(comm, args, losses, norms, model)[0], *result)
         assert agree(result is None or (result[0] <= cp.TOLERANCE and result[1] == result[2])), result
 
 
@@ -338,16 +415,17 @@ def grid_flags(grid):
     return ["--layout", grid[1], "--cp-comm", grid[2]]
 
 
-def uninterrupted(grid, tmp_path_factory):
+def uninterrupted(grid, tmp_path_factory, recipe=()):
     """The folder of a run of all 4 steps on `grid` (N, layout, --cp-comm) that was never stopped
     (checkpoints of steps 2 and 4): what a resumed run must equal, and where a resume takes step 2 from."""
-    if grid not in UNINTERRUPTED:
+    if (grid, *recipe) not in UNINTERRUPTED:
         folder = world().bcast(str(tmp_path_factory.mktemp("uninterrupted")), root=0)
         with sub_comm(grid[0]) as comm:
-            status = 0 if comm is None else cp.main(RESUME + grid_flags(grid) + ["--save", folder, "--no-check"], comm)
+            status = 0 if comm is None else cp.main(RESUME + [*recipe] + grid_flags(grid) + ["--save", folder,
+                                                                                             "--no-check"], comm)
             assert agree(status == 0)
-        UNINTERRUPTED[grid] = folder
-    return UNINTERRUPTED[grid]
+        UNINTERRUPTED[(grid, *recipe)] = folder
+    return UNINTERRUPTED[(grid, *recipe)]
 
 
 def step_2_of(folder, tmp_path_factory):
@@ -360,7 +438,7 @@ def step_2_of(folder, tmp_path_factory):
 
 
 def latest_checkpoint(folder):
-    """The newest checkpoint in folder: its manifest and rank 0's one file (the model and momentum)."""
+    """The newest checkpoint in folder: its manifest and rank 0's one file (the model, the optimizer's state)."""
     path = sorted(Path(folder).glob("step-*"))[-1]
     manifest = json.loads((path / "manifest.json").read_text())
     assert list(manifest["files"]) == ["rank-0.pt"], manifest["files"].keys()  # written once, by rank 0
@@ -368,10 +446,12 @@ def latest_checkpoint(folder):
 
 
 def difference(a, b):
-    """Largest |difference| between two checkpoints' losses and tensors (parameters and momentum)."""
+    """Largest |difference| between two checkpoints' losses, gradient norms and tensors (parameters and
+    the optimizer's state)."""
     (manifest_a, tensors_a), (manifest_b, tensors_b) = a, b
     assert tensors_a.keys() == tensors_b.keys() and len(manifest_a["state"]["losses"]) == 4
-    return max([abs(x - y) for x, y in zip(manifest_a["state"]["losses"], manifest_b["state"]["losses"], strict=True)]
+    state_a, state_b = manifest_a["state"], manifest_b["state"]
+    return max([abs(x - y) for key in ("losses", "grad_norms") for x, y in zip(state_a[key], state_b[key], strict=True)]
                + [(tensors_a[key] - tensors_b[key]).abs().max().item() for key in tensors_a])
 
 
@@ -415,6 +495,58 @@ def test_a_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run_there(sav
 
 
 @pytest.mark.mpi
+def test_adamw_resumes_on_another_grid_as_the_uninterrupted_run_there(tmp_path_factory, capsys):
+    """The recipe saved at step 2 on 2 ranks (zigzag, ring), resumed on 3 (contiguous, all-gather):
+    rank 0 wrote AdamW's moments as pieces of the whole (exp_avg/<name>, exp_avg_sq/<name>) and its
+    step count in the state; the last checkpoint equals the uninterrupted run's on 3 ranks within
+    TOLERANCE (losses, gradient norms, parameters, moments), its step count 4; the resumed run's
+    check passes, its progress lines print the norm and its JSON holds all four norms."""
+    source = uninterrupted(ZIGZAG_RING, tmp_path_factory, RECIPE)
+    whole = uninterrupted(CONTIGUOUS_ALLGATHER, tmp_path_factory, RECIPE)
+    folder = step_2_of(source, tmp_path_factory)
+    capsys.readouterr()  # not the uninterrupted runs' lines
+    with sub_comm(3) as comm:
+        run, status = None, 0
+        if comm is not None:
+            status = cp.main(RESUME + RECIPE + grid_flags(CONTIGUOUS_ALLGATHER) + ["--save", folder, "--resume",
+                                                                                   "--json", "--log-every", "1"], comm)
+            out = capsys.readouterr().out
+            run = comm.bcast((json.loads(out.strip().splitlines()[-1]), out.count(" | norm ")) if comm.Get_rank() == 0
+                             else None, root=0)
+        assert agree(status == 0)
+        assert agree(run is None or (run[0]["check_max_abs_diff"] <= cp.TOLERANCE and len(run[0]["grad_norms"]) == 4
+                                     and run[1] == 2)), run
+    ok = True
+    if world().Get_rank() == 0:
+        resumed, reference = latest_checkpoint(folder), latest_checkpoint(whole)
+        names = [name for name, _ in cp.build_model(cp.parse_args(RESUME, 1)).named_parameters()]
+        ok = resumed[0]["state"]["adamw_step"] == 4 and not any(key.startswith("momentum/") for key in resumed[1])
+        ok = ok and all(f"{key}/{name}" in resumed[1] for name in names for key in ("exp_avg", "exp_avg_sq"))
+        ok = ok and difference(resumed, reference) <= cp.TOLERANCE
+    assert agree(ok)
+
+
+@pytest.mark.mpi
+def test_a_schedule_one_step_behind_after_a_resume_differs_from_the_uninterrupted_run(tmp_path_factory, monkeypatch):
+    """A planted bug: the resumed run's rates one step behind (learning_rate(step - 1)). Resumed on the
+    grid that saved it (which otherwise gives the uninterrupted run bit for bit), its last checkpoint
+    must differ from the uninterrupted run's beyond TOLERANCE. (Not the check's to see: its reference
+    calls learning_rate too, so a plant there would stand on both sides.)"""
+    folder = step_2_of(uninterrupted(ZIGZAG_RING, tmp_path_factory, RECIPE), tmp_path_factory)
+    learning_rate = cp.learning_rate
+    monkeypatch.setattr(cp, "learning_rate", lambda args, step: learning_rate(args, step - 1))
+    flags = RESUME + RECIPE + grid_flags(ZIGZAG_RING) + ["--save", folder, "--resume", "--no-check"]
+    with sub_comm(2) as comm:
+        status = 0 if comm is None else cp.main(flags, comm)
+        assert agree(status == 0)
+    diff = None
+    if world().Get_rank() == 0:
+        diff = difference(latest_checkpoint(folder), latest_checkpoint(uninterrupted(ZIGZAG_RING, tmp_path_factory,
+                                                                                      RECIPE)))
+    assert agree(world().Get_rank() != 0 or diff > cp.TOLERANCE), diff
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("flag, saved, given", [("--layers", 2, 3), ("--hidden", 16, 32)])
 def test_a_checkpoint_of_another_model_is_refused_with_one_line_naming_both(flag, saved, given, tmp_path_factory,
                                                                               capsys):
@@ -448,6 +580,9 @@ def test_a_checkpoint_of_another_model_is_refused_with_one_line_naming_both(flag
     (["--layout", "diagonal"], 1, ["--layout", "zigzag", "contiguous"]),
     (["--seq-len", "10000000"], 1, ["--seq-len"]),
     (["--steps", "0"], 1, ["--steps"]),
+    (["--clip-grad", "-1"], 1, ["--clip-grad", "0 or more", "-1.0"]),
+    (["--warmup-steps", "40"], 1, ["--warmup-steps 40", "below --steps 40"]),
+    (["--optimizer", "adam"], 1, ["--optimizer", "'adam'", "sgd", "adamw"]),
 ])
 def test_impossible_inputs_are_rejected_with_what_would_work(argv, world_size, words):
     with pytest.raises(cp.ConfigError) as error:
@@ -465,7 +600,7 @@ def test_launched_ring_passes_its_check_with_counts_beside_formulas_and_a_trace(
     overlap (every rank: L(6N-6) of L(6N-4)), and a trace with every rank's blocks and messages."""
     run = last_json(launch("context_parallel.py", 4, *E2E, "--trace", tmp_path / "t.json"))
     assert run["check_max_abs_diff"] <= cp.TOLERANCE and run["losses"][-1] < run["losses"][0]
-    assert (run["cp_layout"], run["cp_comm"]) == ("zigzag", "ring")
+    assert len(run["grad_norms"]) == 4 and (run["cp_layout"], run["cp_comm"]) == ("zigzag", "ring")
     assert run["comm_bytes_per_step"] == run["comm_bytes_formula"]
     assert run["causal_pairs_per_rank"] == run["causal_pairs_formula"] and len(set(run["causal_pairs_per_rank"])) == 1
     assert run["scores_computed_per_rank"] == run["scores_computed_formula"]
