@@ -21,12 +21,6 @@ whole batch and holds 1/N of every block; the N ranks share each matrix product.
      target logit, sum of exponentials): the B x T x V logits never exist on one rank.
   Replicated (checked bitwise equal): LayerNorms, positions, row-parallel biases. Vocabulary: the 128
      ASCII codes, padded to a multiple of N as Megatron pads; the padding is masked out of the softmax.
-  Checkpoints (--save, --resume) hold the whole model's tensors by the names one process gives them,
-     each rank writing its blocks: rows of the column-parallel weights and biases, columns of the
-     row-parallel ones, its vocabulary rows less the padding (qkv seen as (3, h, ..), q, k, v stacked:
-     the reference's numbers in its order, and a rank's heads one block), SGD's momentum beside each;
-     rank 0 alone writes the replicated ones. A resume at any N, sequence cut or not, asks for the
-     blocks its ranks hold at that N, cut from whichever files overlap them; padding rows start at 0.
 
 Sequence parallelism (--sequence-parallel, Korthikanti et al. 2022): between the column- and
 row-parallel regions x is cut along the sequence, rank r holding positions [rT/N, (r+1)T/N):
@@ -39,13 +33,11 @@ row-parallel regions x is cut along the sequence, rank r holding positions [rT/N
   column-parallel layer keeps only its input slice and gathers it again in backward (Megatron's
   way). Overlap (both modes; --no-overlap is the baseline): a column-parallel layer's backward
   posts the input gradient's allreduce (f) or reduce-scatter (g) non-blocking before its
-  weight-gradient matmul and waits for it after. Whether the bytes move meanwhile is the MPI's
-  doing: MPICH without asynchronous progress (the pip wheel's default) moves them only inside MPI
-  calls, so here mostly at the Wait; with MPIR_CVAR_ASYNC_PROGRESS=1 they can travel during it.
+  weight-gradient matmul and waits for it after (whether the bytes move meanwhile: the MPI's doing).
 
 Mixed precision (--precision bf16): forward and loss run under torch.autocast(bfloat16): a matmul
 multiplies bf16 copies of the float32 parameters (the master weights; autograd keeps the copies for
-backward); gradients land in float32 on the parameters, SGD's momentum is float32. The stream (the
+backward); gradients land in float32 on the parameters, the optimizer's state is float32. The stream (the
 residuals, LayerNorms and their statistics), the softmax and the loss's max, target logit and sum
 of exponentials stay float32 (.float() first). MPI's buffers: every sum in float32 (f̄ and ḡ cast
 the bf16 partial products up, f and g the input gradients; MPICH refuses MPI_SUM on bf16). bf16
@@ -60,6 +52,9 @@ non-reentrant form keeps them out of their sight), runs fn without autograd, and
 under the forward's autocast state. selective: attention's core (scores, mask, softmax, times V:
 what grows with T²), q, k, v kept (Korthikanti et al.); full: each block from its input alone, its
 forward's f̄ (ḡ and g) run again in backward.
+The recipe (--optimizer adamw, --clip-grad, --lr-schedule cosine, --warmup-steps; nanoGPT's): the learning
+rate is the step's alone; the clip needs the whole gradient's norm, each parameter counted once: the slices'
+squares from every rank, the replicated parameters' from rank 0 alone, summed by one allreduce (global_grad_norm).
 
 Communication per step (L blocks, B sequences of T characters, hidden h, A = 4BTh bytes, e = 4
 bytes an element in float32, 2 in bf16):
@@ -71,6 +66,7 @@ bytes an element in float32, 2 in bf16):
      that), the loss's 3, one allreduce of 4(6L + 2 + T)h bytes of replicated gradients.
   --regather: 2L + 1 all-gathers of eA/4N more; --recompute full: 2L allreduces of A more (sequence
      parallel: 2L reduce-scatters of A, 2L all-gathers of eA/4N). Bytes grow with B and T, not weights.
+  --clip-grad: the norm's allreduce of 4 bytes, 1 more (without a clip the norm is a report, not counted).
 Activations saved for backward, per block and rank (bytes; no dropout; Korthikanti et al.'s bf16
 sbh(10 + 24/t + 5as/(ht)) and (sbh/t)(34 + 5as/h) become, with s, b, a, t = T, B, heads, N and the
 stream in float32, S = 4aBT²/N for the float32 softmax, 6aBT²/N in bf16 with its bf16 copy):
@@ -100,13 +96,12 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "tensor_parallel"
-# Largest |difference| allowed against single-process training (float32): only float32 sums are
-# reordered. Measured after 100 steps at N = 2 to 4, plain or --sequence-parallel: 6e-7 to 1e-6 (plain,
-# 300 steps: 2e-6). A nudge of 1.5x it to any parameter or loss is reported above it (the tests).
+# Largest |difference| allowed against single-process training (float32): only float32 sums are reordered.
+# Measured after 100 steps at N = 2 to 4, plain or --sequence-parallel: 6e-7 to 1e-6 (plain, 300 steps: 2e-6;
+# AdamW: make_optimizer). A nudge of 1.5x it to any parameter, loss or norm is reported above it (the tests).
 TOLERANCE = 2e-5
 # bf16, both sides under autocast: 5e-4 to 9e-4 after the tests' 4 steps at N = 1 to 4, any mode or recompute;
-# default model, 50 steps, batch 8: 4.3e-3 to 8.5e-3 at N = 1 to 4 (the most: N = 4, sequence cut).
-# Gradients / N: 5.6e-2.
+# default model, 50 steps, batch 8: 4.3e-3 to 8.5e-3 at N = 1 to 4 (most: N = 4, cut). Gradients / N: 5.6e-2.
 TOLERANCE_BF16 = 2e-2
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 VOCAB = 128  # the ASCII codes
@@ -117,8 +112,7 @@ PROMPT, TEMPERATURE = "def ", 0.8  # how the sample at the end starts, and how a
 # -----------------------------------------------------------------------------
 # The strategy: f and f̄ (g and ḡ), the column- and row-parallel layers, the vocabulary-parallel ones
 # -----------------------------------------------------------------------------
-# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
-# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+# MPI reads GPU memory only when CUDA-aware (setup() finds out), else via a host copy; on the CPU: nothing to do.
 CUDA_AWARE = False
 
 
@@ -205,7 +199,10 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
 def start_input_gradient_sum(partial, group):
     """Start summing the ranks' input gradients, non-blocking: f's allreduce, or g's reduce-scatter
-    (each rank keeps its positions). Returns the sum's tensor, MPI's buffers and the request."""
+    (each rank keeps its positions). Returns the sum's tensor, MPI's buffers and the request. Whether the
+    bytes move before the Wait is the MPI's doing: MPICH without asynchronous progress (the pip wheel's
+    default) moves them only inside MPI calls, so here mostly at the Wait; with MPIR_CVAR_ASYNC_PROGRESS=1
+    they can travel during the weight-gradient matmul."""
     if group.sequence_parallel:
         send = mpi_buffer(sequence_blocks(partial, group.comm), nonblocking=True)
         total = partial.new_empty(send.shape[1:])
@@ -373,8 +370,20 @@ def sum_partial_gradients(model, comm):
         g.copy_(summed.view_as(g))
 
 
-def train_step(model, optimizer, x, y, group, meter):
-    """One step: every rank the whole batch, its slice of every layer; meter counts activations."""
+def global_grad_norm(model, comm):
+    """The norm of the whole model's gradient in float32, each parameter counted once. The N ranks hold the
+    model once between them: every rank adds the squares of its slices (the padding rows' gradient is zero),
+    rank 0 alone those of the replicated parameters (equal on every rank, summed first with the sequence cut),
+    and one allreduce of that float32 over the N ranks sums them: the same norm, and clip, on every rank.
+    Counted on every rank, the replicas would count N times (the bug of Megatron-LM's #5916 and #6470)."""
+    held = [p for p in model.parameters() if hasattr(p, "partition") or comm.Get_rank() == 0]
+    squares = torch.stack([p.grad.float().square().sum() for p in held]).sum().reshape(1)
+    return allreduce(squares, comm).sqrt().item()  # the same on every rank
+
+
+def train_step(model, optimizer, x, y, group, meter, max_norm=0.0, norm_comm=None):
+    """One step: every rank the whole batch, its slice of every layer; meter counts activations. The
+    gradients clipped to the global norm max_norm (0: not). Returns the loss and the norm, before the clip."""
     optimizer.zero_grad()
     bf16 = torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=group.precision == "bf16")
     with group.timeline.span("compute", "forward"), meter, bf16:  # bf16: matmuls on bf16 copies of the weights
@@ -383,9 +392,13 @@ def train_step(model, optimizer, x, y, group, meter):
         loss.backward()
     if group.sequence_parallel:
         sum_partial_gradients(model, group.comm)
+    norm = global_grad_norm(model, norm_comm or group.comm)  # of whole gradients: after their sum
     with group.timeline.span("compute", "optimizer"):
-        optimizer.step()  # SGD acts element by element: each rank updates its slice alone
-    return loss.item()  # the same on every rank: it is made of allreduced numbers
+        scale = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s, the same on every rank
+        for p in model.parameters() if max_norm and scale < 1 else []:
+            p.grad.mul_(scale)
+        optimizer.step()  # SGD and AdamW act element by element: each rank updates its slice alone
+    return loss.item(), norm  # the same on every rank: made of allreduced numbers
 
 
 # -----------------------------------------------------------------------------
@@ -450,14 +463,24 @@ def build_model(args, device="cpu"):
     return model.to(device)
 
 
+def make_optimizer(args, parameters):
+    """--optimizer: SGD with momentum 0.9 (the default), or AdamW (float32 moments, weight decay on every
+    parameter), its two moments cut as the parameters are: 8 bytes for each one a rank holds. AdamW's
+    m / sqrt(v) makes the rounding in tiny gradients steps of order lr. Measured against one process:
+    1.0e-6 to 1.4e-6 at lr 1e-3 after 50 default steps (N = 2, 4, clip 1); the tests' tiny model, 3 steps:
+    3.5e-6 at lr 1e-3, 2.7e-5 to 4.5e-5 at 1e-2 (above TOLERANCE), 5e-4 at 0.1."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    return torch.optim.SGD(parameters, lr=args.lr, momentum=0.9)
+
+
 def sharded_model(args, group, device):
     """The full model from the seed on every rank's CPU; each rank cuts its slice and moves only
     the slice to its device. Returns the slice, its optimizer and the size of the full model."""
     model = build_model(args)
     full_params = sum(p.numel() for p in model.parameters())
     model = shard_model(model, group).to(device)  # Module.to keeps the parameters' .partition
-    # SGD, not Adam: Adam makes full steps of rounding noise in a gradient exactly zero (the key bias)
-    return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), full_params
+    return model, make_optimizer(args, model.parameters()), full_params
 
 
 # -----------------------------------------------------------------------------
@@ -483,20 +506,33 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, the sample, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, device, model, optimizer, group, meter, past=()):
-    """The steps after the `past` ones (losses from a checkpoint): every step's loss, the same on
-    every rank, and the new steps' timings."""
-    losses, records = list(past), []
-    for step in range(len(past), args.steps):
+def learning_rate(args, step):
+    """A linear warm-up over --warmup-steps W, then --lr, or a cosine from it down towards lr / 10 at
+    --steps: a function of the step alone, so that a resumed run goes on where it was."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    low, progress = args.lr / 10, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    cosine = low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))  # lr at progress 0, lr / 10 at 1
+    return args.lr if args.lr_schedule == "constant" else cosine
+
+
+def train(args, comm, device, model, optimizer, group, meter, past=((), ())):
+    """The steps after the `past` ones (losses and gradient norms from a checkpoint): every step's
+    loss and norm, the same on every rank, and the new steps' timings."""
+    (losses, norms), records = map(list, past), []
+    norm_comm = group.comm if args.clip_grad else comm  # without a clip the norm is a report: not counted
+    for step in range(len(losses), args.steps):
         start = time.perf_counter()
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        losses.append(train_step(model, optimizer, x.to(device), y.to(device), group, meter))
-        records.append(group.timeline.step_record(start))
+        for settings in optimizer.param_groups:
+            settings["lr"] = learning_rate(args, step)
+        loss, norm = train_step(model, optimizer, x.to(device), y.to(device), group, meter, args.clip_grad, norm_comm)
+        losses.append(loss), norms.append(norm), records.append(group.timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print_progress(comm, args, step, losses[-1], records[-1])
-        checkpoint_if_due(comm, args, step, lambda: tensor_parallel_shard(comm, args, model, optimizer, losses),
+            print_progress_and_norm(comm, args, step, loss, norm, records[-1])
+        checkpoint_if_due(comm, args, step, lambda: tensor_parallel_shard(comm, args, model, optimizer, losses, norms),
                           model_config(args))
-    return losses, records
+    return losses, norms, records
 
 
 @torch.no_grad()
@@ -531,15 +567,15 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         group = Group(counted, run.timeline, args.sequence_parallel, args.regather, not args.no_overlap,
                       args.recompute, args.precision)
         model, optimizer, full_params = sharded_model(args, group, run.device)
-        past, resumed = [], None
+        past, resumed = ((), ()), None
         if args.resume:  # any world size: each rank asks for the blocks of the slices it holds now
             resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
-                                              lambda manifest: blocks_held(model, comm), args.steps)
-            past = restore(comm, model, optimizer, resumed, blocks) if blocks is not None else []
+                                              lambda manifest: blocks_held(model, optimizer, comm), args.steps)
+            past = restore(comm, model, optimizer, resumed, blocks) if blocks is not None else ((), ())
         print_header(comm, args, run, model, full_params, resumed)
         meter = SavedActivations(model)
         run.memory.reset()  # the peak of training, not that of building the model
-        losses, records = train(args, comm, run.device, model, optimizer, group, meter, past)
+        losses, norms, records = train(args, comm, run.device, model, optimizer, group, meter, past)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
@@ -548,10 +584,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     if len(set(comm.allgather(replicated_checksum(model)))) != 1:
         raise RuntimeError("replicated parameters (LayerNorm, positions, biases) differ across ranks")
     sample = generate(model, comm, args, run.device) if args.sample_chars else None
-    diff = check(comm, args, losses, model) if args.check else None
+    diff = check(comm, args, losses, norms, model) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, model, full_params, losses, records, traffic, meter, sample, diff)
+    return report(comm, args, run, model, full_params, losses, norms, records, traffic, meter, sample, diff)
 
 
 # =============================================================================
@@ -565,34 +601,34 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # What the reference shares with the ranks, and why each is harmless: GPT, Block, attend and
 # build_model (the network; shard_model swaps its linears and token embedding for the parallel
 # layers, and Block.forward on a rank's 1/N of the heads must add up to all of them, which is
-# what is checked), make_batch, torch's SGD. Its own: nn.Linear, nn.Embedding, F.cross_entropy on
-# whole logits; never a parallel layer at size 1, f, f̄, g, ḡ or the vocabulary-parallel loss.
-# join_slices undoes the cut with its own code (cat of chunks), and the losses, compared first,
-# come from the uncut model: a wrong cut changes what the ranks train and shows there.
+# what is checked), make_batch, make_optimizer (torch's SGD or AdamW: the recipe's settings stand on
+# both sides) and learning_rate (tested alone against its values). Its own: nn.Linear, nn.Embedding,
+# F.cross_entropy on whole logits, the norm and the clip of torch.nn.utils.clip_grad_norm_ (which
+# returns the norm); never a parallel layer at size 1, f, f̄, g, ḡ, the vocabulary-parallel loss or
+# global_grad_norm. join_slices undoes the cut with its own code (cat of chunks), and the losses and
+# norms, compared first, come from the uncut model: a wrong cut changes what the ranks train.
 def reference_training(args):
-    """The same steps in one plain process on the CPU: the unsharded model, nn.Linear,
-    F.cross_entropy. The CPU holds what no single device of a tensor-parallel job may."""
+    """The same steps and recipe in one plain process on the CPU, which holds what no device of the job may."""
     model = build_model(args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    losses = []
+    optimizer, losses, norms = make_optimizer(args, model.parameters()), [], []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
+        optimizer.param_groups[0]["lr"] = learning_rate(args, step)  # its one group
         optimizer.step()
         losses.append(loss.item())
-    return losses, model
+    return losses, norms, model
 
-def join_slices(pieces, partition):
-    """The full tensor from every rank's slice of it, in rank order (the inverse of sliced)."""
+def join_slices(pieces, partition):  # the full tensor from every rank's slice of it, in rank order: sliced's inverse
     dim, groups = partition
     return torch.cat([torch.cat([p.chunk(groups, dim)[k] for p in pieces], dim) for k in range(groups)], dim)
 
 def gather_model(model, comm, root=0):
-    """{name: full tensor} of every parameter on root's CPU (the vocabulary with its padding rows),
-    None on the other ranks: the check's reference is the only full model of the job."""
+    """{name: full tensor} of every parameter on root's CPU (padded vocabulary), None elsewhere: the job's only one."""
     full = {}
     for name, p in model.named_parameters():
         local = p.detach().cpu().contiguous()
@@ -603,30 +639,27 @@ def gather_model(model, comm, root=0):
         full[name] = local
     return full if comm.Get_rank() == root else None
 
-def check(comm, args, losses, model):
-    """Rank 0 gathers the slices on its CPU and trains the reference there; the others wait
-    without spinning; every rank gets the largest difference."""
+def check(comm, args, losses, norms, model):
+    """Rank 0 gathers the slices, trains the reference on its CPU (the others wait, not spinning): the max |diff|."""
     full, diff = gather_model(model, comm), None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args)
+        ref_losses, ref_norms, ref_model = reference_training(args)
         ref = ref_model.state_dict()  # without the vocabulary's padding rows, no part of the network
         full = {name: t.narrow(0, 0, ref[name].size(0)) for name, t in full.items()}
-        diff = max_difference(losses, full, ref_losses, ref_model)
+        diff = max_difference(losses + norms, full, ref_losses + ref_norms, ref_model)  # norms count as losses
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(POLL_S)
     return comm.bcast(diff, root=0)
 
-def replicated_checksum(model):
-    """A bitwise fingerprint of the parameters every rank holds whole."""
+def replicated_checksum(model):  # a bitwise fingerprint of the parameters every rank holds whole
     return zlib.crc32(b"".join(p.detach().cpu().contiguous().numpy().tobytes()
                                for p in model.parameters() if not hasattr(p, "partition")))
 
 class SavedActivations:
-    """Entered around a forward: the bytes of the tensors autograd saves for backward (each storage
-    once, parameters and autocast's bf16 copies of them left out: a copy's grad_fn is ToCopyBackward0
-    whose next function is the parameter's AccumulateGrad, or a view of one), held until backward;
-    the most of any step."""
+    """Entered around a forward: the bytes of the tensors autograd saves for backward (each storage once,
+    parameters and autocast's bf16 copies of them left out: a copy's grad_fn is ToCopyBackward0 whose next
+    function is the parameter's AccumulateGrad, or a view of one), held until backward; the most of any step."""
 
     def __init__(self, model):
         self.parameters, self.bytes = {p.untyped_storage().data_ptr() for p in model.parameters()}, 0
@@ -647,10 +680,9 @@ class SavedActivations:
         self.bytes = max(self.bytes, sum(self.storages.values()))
 
 def activation_bytes_formula(args, world_size, sequence_parallel, regather):
-    """Bytes autograd saves per rank in a step: the docstring's formula (e bytes an element) and,
-    beyond Korthikanti et al.'s terms, LayerNorm's mean and 1/std (2 x 4sb each), the causal mask (s²
-    bytes, not kept by selective or full), the final LayerNorm and the head's input, the loss's
-    softmax over this rank's vocabulary, 8-byte token indices and 1-byte masks."""
+    """Bytes autograd saves per rank in a step: the docstring's formula (e bytes an element) and, beyond Korthikanti
+    et al.'s terms, LayerNorm's mean and 1/std (2 x 4sb each), the causal mask (s² bytes; not with selective or
+    full), the final LayerNorm, the head's input, the loss's softmax over its vocabulary, 8-byte ids, 1-byte masks."""
     B, T, h, a, L, N = args.batch_size, args.seq_len, args.hidden, args.heads, args.layers, world_size
     cut, gathered, e = (N if sequence_parallel else 1), (N if regather else 1), 2 if args.precision == "bf16" else 4
     attention = ((4 if e == 4 else 6) * a * B * T * T / N + T * T) * (args.recompute == "none")  # softmax, mask
@@ -662,20 +694,20 @@ def activation_bytes_formula(args, world_size, sequence_parallel, regather):
 def communication_formula(args, world_size):
     """Collectives and bytes handed to MPI per step (the docstring's formulas), and the bytes a ring
     moves in and out of each rank. Sums in float32; all-gathers of e bytes an element but one."""
-    L, N, T, h, loss = args.layers, world_size, args.seq_len, args.hidden, 3 * 4 * args.batch_size * args.seq_len
+    L, N, T, h, clip = args.layers, world_size, args.seq_len, args.hidden, int(args.clip_grad > 0)
+    loss = 3 * 4 * args.batch_size * T + 4 * clip  # the loss's 3 allreduces of BT numbers, the norm's of 1
     A, e, again = 4 * args.batch_size * T * h, 2 if args.precision == "bf16" else 4, L * (args.recompute == "full")
     sums = 4 * L + 2 + 2 * again  # f̄ (ḡ) forward, f (g) backward, the forward's f̄ (ḡ) again with full
     if not args.sequence_parallel:
-        return sums + 3, sums * A + loss, 2 * (N - 1) / N * (sums * A + loss)
+        return sums + 3 + clip, sums * A + loss, 2 * (N - 1) / N * (sums * A + loss)
     gathers = 4 * L + 1 + (2 * L + 1) * args.regather + 2 * again  # of eA/4N; + the embedding's ḡ, A/N
     handed, grads = (gathers * e + 4) * A // (4 * N), 4 * (6 * L + 2 + T) * h  # + the replicated gradients
-    return (sums + gathers + 5, sums * A + handed + loss + grads,
+    return (sums + gathers + 5 + clip, sums * A + handed + loss + grads,
             (N - 1) / N * sums * A + (N - 1) * handed + 2 * (N - 1) / N * (loss + grads))
 
 def posted_before_weight_grad(events):
-    """[n, total]: of the input gradients' exchanges among the spans (name, cat, begin, end), how many
-    were posted before a weight-gradient matmul began and waited for after it ended, the order an
-    overlap needs. The k-th post of a kind is paired with its k-th wait: each is waited in turn."""
+    """[n, total]: of the input gradients' exchanges in the spans (name, cat, begin, end), those posted before a
+    weight-gradient matmul began and waited for after it ended; a kind's k-th post pairs with its k-th wait."""
     matmuls = [(begin, end) for name, _, begin, end in events if name == "weight grad"]
     n = total = 0
     for kind in ("Iallreduce", "Ireduce_scatter_block"):
@@ -685,19 +717,26 @@ def posted_before_weight_grad(events):
         n += sum(any(posted <= b and e <= waited for b, e in matmuls) for posted, waited in zip(posts, waits))
     return [n, total]
 
-def model_config(args):
-    """The model a checkpoint holds, whatever the grid that wrote it (no world size, no padding)."""
+def model_config(args):  # the model and optimizer a checkpoint holds, whatever the grid (no world size, no padding)
     return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-            "seq_len": args.seq_len, "vocab": VOCAB}
+            "seq_len": args.seq_len, "vocab": VOCAB, "optimizer": args.optimizer}
 
+# Checkpoints (--save, --resume) hold the whole model's tensors by the names one process gives them, each rank
+# writing its blocks: rows of the column-parallel weights and biases, columns of the row-parallel ones, its
+# vocabulary rows less the padding (qkv seen as (3, h, ..), q, k, v stacked: the reference's numbers in its order,
+# and a rank's heads one block), SGD's momentum or AdamW's moments beside each; rank 0 alone writes the replicated
+# ones. A resume at any N, sequence cut or not, asks for the blocks its ranks hold at that N, cut from whichever
+# files overlap them; padding rows start at 0.
 VOCABULARY_ROWS = ("tokens.weight", "out.weight")  # padded to a multiple of N: only VOCAB rows are saved
+# A parameter's optimizer state as a checkpoint names it (<kind>/<name>, cut as the parameter), and as torch does
+MOMENTS = {torch.optim.SGD: {"momentum": "momentum_buffer"},
+           torch.optim.AdamW: {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
 
 def place_in_whole(name, p, comm):
-    """Where this rank's slice of parameter `name` lies in the whole tensor a checkpoint keeps, the
-    inverse of sliced(): (p's shape in the whole's dimensions, the whole's shape, the offset, the
-    size there). q, k and v get a dimension of their own, (3h/N, ..) seen as (3, h/N, ..), so that
-    a rank's heads are one block (the whole (3, h, ..) holds the reference's (3h, ..) in its order);
-    the vocabulary's whole is its VOCAB rows, the padding rows none of it; replicated ones are whole."""
+    """Where this rank's slice of parameter `name` lies in the whole tensor a checkpoint keeps, the inverse of
+    sliced(): (p's shape in the whole's dimensions, the whole's shape, the offset, the size there). q, k and v get
+    a dimension of their own, (3h/N, ..) seen as (3, h/N, ..), so that a rank's heads are one block (the whole
+    (3, h, ..) holds the reference's (3h, ..) in order); the vocabulary's whole is its VOCAB rows, no padding."""
     view = list(p.shape)
     if not hasattr(p, "partition"):
         return view, view, [0] * len(view), view
@@ -710,43 +749,43 @@ def place_in_whole(name, p, comm):
         whole[0], size[0] = VOCAB, max(0, min(view[0], VOCAB - offset[0]))
     return view, whole, offset, size
 
-def block_of(t, view, size):
-    """What a checkpoint holds of t (a slice or its momentum, seen as `view`): all but padding rows."""
+def block_of(t, view, size):  # what a checkpoint holds of t (a slice or its optimizer state): all but padding rows
     return t.view(view)[tuple(slice(0, n) for n in size)]
 
-def tensor_parallel_shard(comm, args, model, optimizer, losses):
-    """This rank's pieces: the blocks of its slices and of their SGD momentum, the replicated ones
-    (equal on every rank) from rank 0 alone; rank 0's state: the losses so far, the grid that wrote them."""
-    pieces = {}
+def tensor_parallel_shard(comm, args, model, optimizer, losses, norms):
+    """This rank's pieces: its slices' blocks and their optimizer state (replicas: rank 0's); rank 0's state."""
+    pieces, kinds = {}, MOMENTS[type(optimizer)]
     for name, p in model.named_parameters():
         view, whole, offset, size = place_in_whole(name, p, comm)
         if math.prod(size) == 0 or (not hasattr(p, "partition") and comm.Get_rank() != 0):
             continue  # padding rows alone (rank 13 of N = 14), or a replica rank 0 writes
-        for key, t in ((name, p), (f"momentum/{name}", optimizer.state[p].get("momentum_buffer"))):
+        for key, t in [(name, p)] + [(f"{k}/{name}", optimizer.state[p].get(field)) for k, field in kinds.items()]:
             if t is not None:
                 pieces[key] = piece(block_of(t.detach(), view, size), whole, offset)
+    step = {"adamw_step": int(optimizer.state[p]["step"])} if "step" in optimizer.state[p] else {}  # of any p
     grid = {"world_size": comm.Get_size(), "sequence_parallel": args.sequence_parallel}
-    return pieces, {"losses": list(losses), "grid": grid} if comm.Get_rank() == 0 else None
+    state = {"losses": list(losses), "grad_norms": list(norms), "grid": grid, **step}  # what was trained so far
+    return pieces, state if comm.Get_rank() == 0 else None
 
-def blocks_held(model, comm):
-    """What this rank asks a checkpoint for (load_checkpoint's wanted): the blocks of the slices it
-    holds at this world size and of their momentum, whatever the grid that wrote them."""
+def blocks_held(model, optimizer, comm):
+    """load_checkpoint's wanted: the blocks of this rank's slices at this N and of their optimizer state."""
     places = {name: place_in_whole(name, p, comm)[1:] for name, p in model.named_parameters()}
     return {key: region(*place) for name, place in places.items() if math.prod(place[2])
-            for key in (name, f"momentum/{name}")}
+            for key in (name, *(f"{kind}/{name}" for kind in MOMENTS[type(optimizer)]))}
 
 @torch.no_grad()
 def restore(comm, model, optimizer, manifest, blocks):
-    """Every slice and its momentum from its block, the vocabulary's padding rows zero (as
-    shard_model pads them; their gradient is zero, so is their momentum); returns the losses so far."""
+    """Every slice and its optimizer state from its blocks, padding rows zero; returns the losses and norms so far."""
+    state, kinds = manifest["state"], MOMENTS[type(optimizer)]
     for name, p in model.named_parameters():
         view, _, _, size = place_in_whole(name, p, comm)
-        momentum = torch.zeros_like(p)
-        for key, t in ((name, p.zero_()), (f"momentum/{name}", momentum)):
+        optimizer.state[p].update({field: torch.zeros_like(p) for field in kinds.values()})  # padding: zero gradient
+        for key, t in [(name, p.zero_())] + [(f"{k}/{name}", optimizer.state[p][field]) for k, field in kinds.items()]:
             if key in blocks:
                 block_of(t, view, size).copy_(blocks[key])
-        optimizer.state[p]["momentum_buffer"] = momentum
-    return manifest["state"]["losses"]
+        if "adamw_step" in state:  # torch keeps it for each parameter, as a float32 tensor on the CPU
+            optimizer.state[p]["step"] = torch.tensor(float(state["adamw_step"]))
+    return state["losses"], state["grad_norms"]
 
 def print_header(comm, args, run, model, full_params, resumed):
     world_size, h, padded = comm.Get_size(), args.hidden, padded_vocab(comm.Get_size())
@@ -766,7 +805,11 @@ def print_header(comm, args, run, model, full_params, resumed):
            + (f", padded to {padded} (a multiple of {world_size}, as Megatron pads; the padding is "
               f"masked out of the softmax)" if padded != VOCAB else ""))
 
-def report(comm, args, run, model, full_params, losses, records, traffic, meter, sample, diff):
+def print_progress_and_norm(comm, args, step, loss, norm, times):  # print_progress's line, the norm after the loss
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | norm {norm:.4f} | {times['step_s'] * 1e3:.1f} "
+                 f"ms/step | comm {times['comm_s'] * 1e3:.1f} ms | idle {100 * times['idle_s'] / times['step_s']:.0f}%")
+
+def report(comm, args, run, model, full_params, losses, norms, records, traffic, meter, sample, diff):
     """The file's summary lines and --json keys, then finish(); returns the exit status."""
     world_size, steps_run = comm.Get_size(), max(1, len(records))
     calls, volume = ({name: n / steps_run for name, n in counts.items()} for counts in traffic)
@@ -777,9 +820,11 @@ def report(comm, args, run, model, full_params, losses, records, traffic, meter,
     saved = comm.allgather(meter.bytes)
     overlap = {"exchanges_under_weight_grad": posted_before_weight_grad(run.timeline.step_events)}
     by_name, full = ", ".join(f"{name} {n:g}" for name, n in sorted(calls.items())), args.recompute == "full"
-    formula = "8L + 8" + " + 2L + 1" * args.regather + " + 4L" * full if args.sequence_parallel else "4L + 5" + " + 2L" * full
+    formula = ("8L + 8" + " + 2L + 1" * args.regather + " + 4L" * full if args.sequence_parallel
+               else "4L + 5" + " + 2L" * full) + " + 1" * (args.clip_grad > 0)  # + the norm's with a clip
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
-             f"{math.log(VOCAB):.4f})", f"collectives per step: {sum(calls.values()):g} ({by_name}); formula "
+             f"{math.log(VOCAB):.4f}); clipped at {sum(n > args.clip_grad > 0 for n in norms)} of {len(norms)} steps",
+             f"collectives per step: {sum(calls.values()):g} ({by_name}); formula "
              f"{formula} = {formula_calls}", f"bytes per step handed to MPI: {sum(volume.values()):,.0f}; formula "
              f"{formula_bytes:,.0f}; a ring moves {ring:,.0f} bytes in and out of each rank",
              f"activations saved for backward per rank ({args.precision}, --recompute {args.recompute}): {' | '.join(f'{b / 1e6:.3f}' for b in saved)} MB measured; "
@@ -791,13 +836,13 @@ def report(comm, args, run, model, full_params, losses, records, traffic, meter,
         shown = re.sub(" {3,}", lambda run: f"[{len(run.group())} spaces]", sample)
         lines += [f"sample ({args.sample_chars} characters after {PROMPT!r}, temperature {TEMPERATURE}; "
                   f"[n spaces]: a run of n spaces):", *("  | " + line for line in shown.split("\n"))]
-    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+    return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters", lines, {
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "collectives_formula": formula_calls, "comm_bytes_formula": formula_bytes, "collectives_by_name": calls,
         "ring_bytes_per_rank": ring, "activation_bytes_per_rank": saved, "activation_bytes_formula": formulas[mode],
         "activation_bytes_formula_by_mode": formulas, "overlap": overlap, "sequence_parallel": args.sequence_parallel,
         "regather": args.regather, "parameters": full_params, "padded_vocab": padded_vocab(world_size),
-        "parameters_this_rank": sum(p.numel() for p in model.parameters()), "sample": sample})
+        "parameters_this_rank": sum(p.numel() for p in model.parameters()), "sample": sample, "grad_norms": norms})
 
 def parse_args(argv, world_size):
     p = common_arguments("Tensor parallelism over MPI (Megatron-LM): a small GPT on Python's own source.",
@@ -814,13 +859,21 @@ def parse_args(argv, world_size):
                    help="baseline: exchange the input gradient after the weight gradient, not during it")
     p.add_argument("--sample-chars", type=COUNT_OR_0, default=120,
                    help="characters of text the trained model writes at the end (0: none)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="SGD with momentum 0.9, or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0,
+                   metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ (0: off)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s gets lr (s + 1) / W")
     args = check_common(p.parse_args(argv))
+    if args.warmup_steps >= args.steps:  # a warm-up that takes every step
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} must be below --steps {args.steps}: fewer or more steps")
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal "
                           f"size; use a multiple of {args.heads}, e.g. {16 * args.heads}")
     if args.heads % world_size:  # whole heads per rank; then hidden and 4 x hidden split too
-        works = [n for n in range(1, args.heads + 1) if args.heads % n == 0]
-        size = args.hidden // args.heads
+        works, size = [n for n in range(1, args.heads + 1) if args.heads % n == 0], args.hidden // args.heads
         raise ConfigError(f"--heads {args.heads} does not split over {world_size} ranks (each rank "
                           f"computes whole heads); world sizes that work: {', '.join(map(str, works))}; "
                           f"or for {world_size} ranks e.g. --heads {world_size} --hidden {world_size * size}")
@@ -845,9 +898,10 @@ def max_difference(losses, state, ref_losses, ref_model):
     return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: progress, the summary and --json, --trace -----------------------
-def print_progress(comm, args, step, loss, record):
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
-                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+def print_progress(comm, args, step, loss, record, norm=None):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | " + (f"norm {norm:.4f} | " if norm is not None else "")
+           + f"{record['step_s'] * 1e3:.1f} ms/step | comm {record['comm_s'] * 1e3:.1f} ms | "
+             f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
 def finish(comm, args, run, losses, records, diff, compared, lines, keys):
     """The summary: the file's own `lines`, the split of a step (medians over the steps after the
@@ -937,14 +991,12 @@ def fsync_folder(path):  # the names a folder holds, made durable as its files' 
     os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard, (pieces, state) from make_shard, goes into root/.tmp-step-N: pieces maps a
-    name to (tensor, the whole's shape, where the tensor starts in it), see piece(); state (small,
-    JSON) is kept from the first rank that gives one. Rank 0 then writes the manifest, the index of
-    which file holds which region of which tensor, and renames the folder to step-N (files and
-    folder fsynced before, the parent after): a job killed before the rename leaves the previous
-    checkpoint as it was. A region that an earlier file holds already (a replicated parameter) is
-    left out of the index. A write that fails on any rank (a full disk) ends the job on every rank
-    with one line, the previous checkpoint whole."""
+    """Each rank's shard, (pieces, state): pieces {key: piece(...)}, state a small JSON dict (the
+    first rank's that gives one is kept), goes into root/.tmp-step-N. Rank 0 writes the manifest, the
+    index of which file holds which block of which tensor (a block an earlier file holds, replicated,
+    left out), and renames the folder to step-N, fsynced before and the parent after: a job killed
+    before the rename leaves the previous checkpoint as it was. A write that fails on any rank (a
+    full disk) ends the job on every rank with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
     pieces, state = shard
     files, error = {}, None
@@ -994,8 +1046,8 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def piece(tensor, shape=None, offset=None):
-    """A tensor as a checkpoint holds it: a CPU copy (a view would save its whole storage), the
-    shape of the whole it is a block of, and the index where it starts in each dimension."""
+    """A tensor as a checkpoint holds it: a CPU copy (not a view of a larger storage), the shape of
+    the whole it is a block of, and where it starts in each dimension."""
     copy = tensor.detach().cpu().clone()
     return copy, list(shape or copy.shape), list(offset or [0] * copy.dim())
 
@@ -1064,11 +1116,10 @@ def assemble(manifest, wanted, tensors):
 
 def load_checkpoint(comm, root, config, wanted, steps):
     """The newest checkpoint whose every file that some rank needs is whole: its manifest and the
-    blocks this rank asked for, wanted(manifest) = {key: region(...)}, each cut from the pieces
-    that overlap it, whatever the grid that wrote them; (None, None) when root holds none yet (a
-    batch job's first run). Every rank's blocks come from that one checkpoint: a damaged file
-    makes all ranks fall back together to the one before, and rank 0 says which and why. One that
-    does not fit this run (another strategy, model or tensor shape) is a ConfigError on every rank."""
+    blocks this rank asks for, wanted(manifest) = {key: region(...)}, cut from the pieces that overlap
+    them whatever the grid that wrote them; (None, None) when root holds none yet (a first run). All
+    ranks take theirs from that one checkpoint: a damaged file makes every rank fall back to the one
+    before, and rank 0 says why. One that does not fit this run is a ConfigError on every rank."""
     found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
     if not found:
         print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
@@ -1261,18 +1312,23 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_CO
                         "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID", "SLURM_LOCALID")
 # How many ranks the launcher started: PMI (MPICH, srun --mpi=pmi2), Open MPI, MVAPICH; last, srun's
 # count of a step whose ranks it started itself (srun --mpi=pmix sets no size of PMIx's own).
-WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE", "SLURM_STEP_NUM_TASKS")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PALS_RANKID", "FLUX_TASK_RANK", "SLURM_PROCID")
 
 def launcher_local_rank():
     """This rank's index on its node, as the launcher tells it."""
     return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
 
 def check_one_job(world_size):
-    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused."""
+    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused before
+    anything is written, in one line from the launcher's rank 0 alone (each job's rank 0 would say it)."""
     told = next((v for v in WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), None)
     if told and int(os.environ[told]) > 1 and world_size == 1:
-        raise ConfigError(f"the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would train "
-                          f"alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or rebuild mpi4py")
+        if next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v, "").isdigit()), "0") == "0":
+            print(f"error: the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would "
+                  f"train alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or "
+                  f"rebuild mpi4py", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 def node_cores(node):
     """The cores the ranks of this node may run on, together (their affinity, e.g. a Slurm cgroup)."""
@@ -1299,7 +1355,6 @@ def setup(comm, args):
     """This rank's device, whether MPI reads its memory, the timeline, the memory meter, and the
     header's facts."""
     global CUDA_AWARE, SLEEP_WHILE_WAITING
-    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     launcher = launcher_local_rank()
@@ -1313,7 +1368,7 @@ def setup(comm, args):
         device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
-        CUDA_AWARE = mpi_cuda_aware(comm)
+        CUDA_AWARE, decided = mpi_cuda_aware(comm)
         if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
             try:
                 torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
@@ -1322,7 +1377,7 @@ def setup(comm, args):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic = True
             torch.use_deterministic_algorithms(True, warn_only=True)
-        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        transport = f"{'direct (CUDA-aware MPI' if CUDA_AWARE else 'staged through host memory ('}{decided})"
         uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
         if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
             notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
@@ -1338,29 +1393,43 @@ def setup(comm, args):
     return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies is
-    refused); else MPI 4.1's mpi_memory_alloc_kinds if it lists cuda; else MPIX_Query_cuda_support."""
+    """Can MPI read GPU memory, and how was that decided? MPI_CUDA_AWARE=1|0 when set, no library
+    probed (a debug MPICH before 4.0 asserts in its query); a 1 the memory kinds contradict is a
+    warning (Open MPI without CUDA over a CUDA UCX lists none, and reads GPU memory). Unset: MPI 4.1's
+    memory kinds; Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1 with its GTL library loaded; else
+    MPIX_Query_cuda_support, whose yes in Open MPI 4 tells only how the library was built."""
     try:
         kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
     except (MPI.Exception, NotImplementedError, AttributeError):
         kinds = None
-    says = True if kinds is not None and cuda_in_kinds(kinds) else mpix_query_cuda_support()  # not listed: unknown
     forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced == "1" and says is False:
-        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
-                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
-                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
-    return forced == "1" if forced in ("0", "1") else bool(says)
+    if forced in ("0", "1"):
+        doubt = forced == "1" and kinds is not None and not cuda_in_kinds(kinds)
+        return forced == "1", f"MPI_CUDA_AWARE={forced}" + (f"; warning: the library's memory kinds "
+                                                           f"({kinds}) list no cuda" if doubt else "")
+    if kinds is not None and cuda_in_kinds(kinds):
+        return True, f"memory kinds {kinds}"
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1" and mpi_libraries_loaded("libmpi_gtl_cuda"):
+        return True, "Cray MPICH: MPICH_GPU_SUPPORT_ENABLED=1, its GTL library loaded"
+    says = mpix_query_cuda_support()
+    if says and mpi_library().startswith("Open MPI v4"):
+        return True, ("probably: Open MPI 4's MPIX_Query_cuda_support says how it was built, not what its "
+                      "transport can do; MPI_CUDA_AWARE=0 stages")
+    return bool(says), "MPIX_Query_cuda_support" if says is not None else "no sign of CUDA support"
 
 def cuda_in_kinds(kinds):
     """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
     at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
     return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
 
+def mpi_libraries_loaded(name="libmpi"):
+    """The paths of the libraries loaded in this process whose path holds name (Linux)."""
+    maps = "/proc/self/maps"
+    return sorted({line.split()[-1] for line in open(maps) if name in line} if os.path.exists(maps) else [])
+
 def mpix_query_cuda_support():
     """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
-    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
-    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+    for path in mpi_libraries_loaded():
         query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
         if query is not None:
             return bool(query())
@@ -1457,7 +1526,9 @@ def check_common(args):
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
-    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates.
+    First of all, N one-rank jobs are refused: they would write N probes in one folder."""
+    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     rank, error = comm.Get_rank(), None
     try:
         if args.save:

@@ -461,8 +461,8 @@ def test_training_in_every_mode_equals_single_process_training(size, precision, 
             args = tp.parse_args(SMALL + ["--steps", "4", "--sample-chars", "0", "--precision", precision] + flags, size)
             group = group_of(comm, args.sequence_parallel, args.regather, not args.no_overlap, precision=precision)
             model, optimizer, _ = tp.sharded_model(args, group, CPU)
-            losses, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
-            runs[mode] = {"losses": losses, "check": tp.check(comm, args, losses, model) <= limit(precision),
+            losses, norms, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
+            runs[mode] = {"losses": losses, "check": tp.check(comm, args, losses, norms, model) <= limit(precision),
                           "replicas": len(set(comm.allgather(tp.replicated_checksum(model)))) == 1,
                           "overlap": tp.posted_before_weight_grad(group.timeline.step_events),
                           "state": [p.detach().clone() for p in model.parameters()]}
@@ -573,7 +573,7 @@ def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance(precision
             args = tp.parse_args(SMALL + ["--steps", "2", "--sample-chars", "0", "--precision", precision], 3)
             group = group_of(comm, precision=precision)
             model, optimizer, _ = tp.sharded_model(args, group, CPU)
-            losses, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
+            losses, norms, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
             reference = tp.reference_training(args)
             monkeypatch.setattr(tp, "reference_training", lambda args: reference)  # train it once
 
@@ -583,17 +583,19 @@ def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance(precision
                 kept = element.clone()
                 if not hasattr(p, "partition") or rank == last:
                     element.fill_(value)
-                report = tp.check(comm, args, losses, model)
+                report = tp.check(comm, args, losses, norms, model)
                 element.copy_(kept)
                 return report
 
-            if not tp.check(comm, args, losses, model) <= tolerance:
+            if not tp.check(comm, args, losses, norms, model) <= tolerance:
                 failures.append("unperturbed")
             for name, p in model.named_parameters():
                 if not nudged(p, p.detach().view(-1)[0].item() + nudge) > tolerance:
                     failures.append(name)
-            if not tp.check(comm, args, losses[:-1] + [losses[-1] + nudge], model) > tolerance:
+            if not tp.check(comm, args, losses[:-1] + [losses[-1] + nudge], norms, model) > tolerance:
                 failures.append("last loss")
+            if not tp.check(comm, args, losses, norms[:-1] + [norms[-1] + nudge], model) > tolerance:
+                failures.append("last gradient norm")
             if nudged(next(model.parameters()), math.nan) <= tolerance:
                 failures.append("NaN")
         assert agree(comm is None or not failures), failures
@@ -618,8 +620,8 @@ def test_input_gradients_divided_by_n_fail_the_check(precision, monkeypatch):
             args = tp.parse_args(SMALL + ["--steps", "3", "--sample-chars", "0", "--precision", precision], 2)
             group = group_of(comm, precision=precision)
             model, optimizer, _ = tp.sharded_model(args, group, CPU)
-            losses, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
-            diff = tp.check(comm, args, losses, model)
+            losses, norms, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
+            diff = tp.check(comm, args, losses, norms, model)
         assert max_everywhere(diff) > limit(precision), diff
 
 
@@ -644,7 +646,7 @@ def test_recomputation_keeps_what_its_formula_says_and_repeats_the_forward_excha
                 group = tp.Group(DtypesComm(comm, timeline), timeline, bool(split), False, True, recompute, precision)
                 model, optimizer, _ = tp.sharded_model(args, group, CPU)
                 meter = tp.SavedActivations(model)
-                losses, _ = tp.train(args, comm, CPU, model, optimizer, group, meter)
+                losses, _, _ = tp.train(args, comm, CPU, model, optimizer, group, meter)
                 runs[recompute] = run = {"losses": losses, "saved": meter.bytes, "calls": group.comm.calls,
                                          "bytes": group.comm.bytes, "dtypes": group.comm.dtypes}
                 formula = tp.activation_bytes_formula(args, size, bool(split), False)
@@ -685,6 +687,9 @@ def test_recomputation_keeps_what_its_formula_says_and_repeats_the_forward_excha
     (["--nonsense"], 1, ["--nonsense"]),
     (["--sequence-parallel", "--seq-len", "30"], 4, ["--seq-len 30", "multiple of 4", "--seq-len 28"]),
     (["--regather"], 2, ["--regather", "--sequence-parallel"]),
+    (["--clip-grad", "-1"], 1, ["--clip-grad", "0 or more", "-1"]),
+    (["--warmup-steps", "5", "--steps", "5"], 1, ["--warmup-steps 5", "below --steps 5"]),
+    (["--optimizer", "adam"], 1, ["--optimizer", "'adam'", "adamw"]),
 ])
 def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
     with pytest.raises(tp.ConfigError) as error:
@@ -796,30 +801,43 @@ class Grid:
         return self.size
 
 
-def test_the_ranks_pieces_tile_every_whole_tensor_once_and_each_rank_asks_back_what_it_holds():
+# An optimizer's state made of the parameter (negated for a first moment, squared for a second): its
+# pieces in a checkpoint are then the reference model's tensors, transformed alike, by name.
+STATES = {"sgd": (torch.optim.SGD, {"momentum": ("momentum_buffer", torch.neg)}),
+          "adamw": (torch.optim.AdamW, {"exp_avg": ("exp_avg", torch.neg), "exp_avg_sq": ("exp_avg_sq", torch.square)})}
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_the_ranks_pieces_tile_every_whole_tensor_once_and_each_rank_asks_back_what_it_holds(optimizer_name):
     """At N = 1 to 4 and 14 (N heads; at 14 the last rank holds padding rows alone), the pieces the
-    ranks save (parameters and momentum) cover every element of each whole tensor once and equal it
-    there: the wholes are the reference model's tensors by name, q, k and v seen as (3, h, ..), the
-    vocabulary without its padding. Each rank asks for the blocks it saved (all of a replicated
-    tensor), and restore() puts them back into another model: slices, momentum, zero padding rows."""
+    ranks save (parameters and the optimizer's state: SGD's momentum, AdamW's two moments) cover every
+    element of each whole tensor once and equal it there: the wholes are the reference model's tensors by
+    name, q, k and v seen as (3, h, ..), the vocabulary without its padding. Each rank asks for the blocks
+    it saved (all of a replicated tensor), and restore() puts them back into another model: slices, the
+    optimizer's state, zero padding rows; AdamW's step count from the state rank 0 wrote."""
+    kind, fields = STATES[optimizer_name]
     for n in (1, 2, 3, 4, 14):
         args = tp.parse_args(["--layers", "1", "--hidden", str(2 * n), "--heads", str(n)], n)
         reference = tp.build_model(args).state_dict()
-        reference.update({f"momentum/{name}": -t for name, t in reference.items()})
+        reference.update({f"{key}/{name}": f(t) for name, t in reference.items() for key, (_, f) in fields.items()})
         covered = {key: torch.zeros(t.shape, dtype=torch.int64) for key, t in reference.items()}
         for rank in range(n):
             grid = Grid(rank, n)  # shard_model needs only the rank and the size
             model = tp.shard_model(tp.build_model(args), tp.Group(grid, None))
-            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+            optimizer = kind(model.parameters(), lr=args.lr)
             for p in model.parameters():
-                optimizer.state[p]["momentum_buffer"] = -p.detach().clone()
-            pieces, state = tp.tensor_parallel_shard(grid, args, model, optimizer, [4.5])
-            assert (state == {"losses": [4.5], "grid": {"world_size": n, "sequence_parallel": False}}) == (rank == 0)
+                optimizer.state[p].update({field: f(p.detach()) for field, f in fields.values()})
+                if optimizer_name == "adamw":
+                    optimizer.state[p]["step"] = torch.tensor(3.0)
+            pieces, state = tp.tensor_parallel_shard(grid, args, model, optimizer, [4.5], [0.5])
+            expected = {"losses": [4.5], "grad_norms": [0.5], "grid": {"world_size": n, "sequence_parallel": False}}
+            expected.update({"adamw_step": 3} if optimizer_name == "adamw" else {})
+            assert (state == expected) == (rank == 0), state
             for key, (t, whole, offset) in pieces.items():
                 block = tuple(slice(o, o + s) for o, s in zip(offset, t.shape))
                 covered[key].view(whole)[block] += 1
                 assert torch.equal(reference[key].view(whole)[block], t), (n, rank, key)
-            wanted = tp.blocks_held(model, grid)
+            wanted = tp.blocks_held(model, optimizer, grid)
             assert {k: r for k, r in wanted.items() if r[2] != r[0]} == {
                 k: tp.region(whole, offset, t.shape) for k, (t, whole, offset) in pieces.items() if list(t.shape) != whole}
             assert ("out.weight" in wanted) == ((n, rank) != (14, 13))  # rank 13 of 14: padding rows alone
@@ -828,11 +846,124 @@ def test_the_ranks_pieces_tile_every_whole_tensor_once_and_each_rank_asks_back_w
             other = copy.copy(args)
             other.seed = 1
             fresh = tp.shard_model(tp.build_model(other), tp.Group(grid, None))
-            fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=args.lr, momentum=0.9)
-            assert tp.restore(grid, fresh, fresh_optimizer, {"state": {"losses": [4.5]}}, blocks) == [4.5]
-            assert all(torch.equal(p, q) and torch.equal(fresh_optimizer.state[p]["momentum_buffer"], -q)
+            fresh_optimizer = kind(fresh.parameters(), lr=args.lr)
+            assert tp.restore(grid, fresh, fresh_optimizer, {"state": expected}, blocks) == ([4.5], [0.5])
+            assert all(torch.equal(p, q) and all(torch.equal(fresh_optimizer.state[p][field], f(q))
+                                                 for field, f in fields.values())
                        for p, q in zip(fresh.parameters(), model.parameters()))
+            assert all(fresh_optimizer.state[p].get("step") == (3.0 if optimizer_name == "adamw" else None)
+                       for p in fresh.parameters())
         assert all(bool((c == 1).all()) for c in covered.values()), n
+
+
+# --- The training recipe: AdamW, the global norm's clip, a warm-up step then the cosine --------------
+# The clip is active at every step: these tiny models' global norm is 2 to 4 at these steps (measured),
+# far above 0.05. lr 1e-3 (nanoGPT's 6e-4 order): AdamW turns float32 rounding in tiny gradients into
+# differences that grow with lr (see TOLERANCE), 3.5e-6 here.
+RECIPE = ["--optimizer", "adamw", "--lr", "1e-3", "--clip-grad", "0.05", "--lr-schedule", "cosine",
+          "--warmup-steps", "1"]
+
+
+def recipe_run(size, flags=(), steps=3):
+    """main() with the recipe on the first `size` ranks: (exit status, the --json object, whether or not
+    the check passed, rank 0's stdout), the same on every rank."""
+    status, _, out, err = main_on(size, TINY + RECIPE + ["--steps", str(steps), "--log-every", "1", *flags])
+    lines = out.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), out + err
+    return status, json.loads(lines[-1]), out
+
+
+def test_the_schedule_warms_up_then_holds_or_falls_by_a_cosine_towards_a_tenth():
+    """lr (s + 1) / W for the W warm-up steps, then lr, or lr / 10 + 0.45 lr (1 + cos(pi (s - W) / (S - W)))."""
+    args = tp.parse_args(["--lr", "1", "--steps", "5", "--warmup-steps", "2", "--lr-schedule", "cosine"], 1)
+    assert [tp.learning_rate(args, s) for s in range(5)] == pytest.approx([0.5, 1, 1, 0.775, 0.325], abs=1e-12)
+    args.lr_schedule = "constant"
+    assert [tp.learning_rate(args, s) for s in range(5)] == [0.5, 1, 1, 1, 1]
+    args.warmup_steps, args.lr_schedule = 0, "cosine"  # no warm-up: the cosine from step 0, at lr
+    cosine = [1, 0.9140576, 0.6890576, 0.4109424, 0.1859424]
+    assert [tp.learning_rate(args, s) for s in range(5)] == pytest.approx(cosine)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, flags", [(1, []), (2, []), (2, ["--sequence-parallel"]), (3, []),
+                                         (4, ["--sequence-parallel"]), (2, ["--precision", "bf16"])])
+def test_the_recipe_with_the_clip_active_passes_the_check(size, flags):
+    """AdamW, the gradients clipped at every step, a warm-up step then the cosine, at N = 1 to 4 (with the
+    sequence cut at 2 and 4: the replicated gradients summed before their squares) and once in bf16: the
+    check, which compares the losses, the global gradient norms and the parameters with one process
+    clipping by torch.nn.utils.clip_grad_norm_, passes at the precision's tolerance; every progress line
+    prints the step's norm, above the clip; the norm's allreduce is counted, one more than the formula's."""
+    status, run, out = recipe_run(size, flags)
+    assert status == 0 and run["check_max_abs_diff"] <= limit(run["precision"]), out
+    printed = [line.split("| norm ")[1].split(" ")[0] for line in out.splitlines() if line.startswith("step ")]
+    assert printed == [f"{n:.4f}" for n in run["grad_norms"]] and len(printed) == 3 and min(run["grad_norms"]) > 0.05
+    assert run["collectives_per_step"] == run["collectives_formula"] == (8 * 2 + 9 if "--sequence-parallel" in flags
+                                                                         else 4 * 2 + 6)  # 8L + 8 + 1, 4L + 5 + 1
+    assert run["comm_bytes_per_step"] == run["comm_bytes_formula"]
+
+
+def counted_on_every_rank(model, comm):
+    """The planted bug (Megatron-LM's #5916, #6470): every rank adds the squares of every parameter it
+    holds, the replicated ones too, so that they count T times in the global norm."""
+    squares = torch.stack([p.grad.float().square().sum() for p in model.parameters()]).sum().reshape(1)
+    return tp.allreduce(squares, comm).sqrt().item()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_a_norm_counting_the_replicas_on_every_rank_fails_the_check(size, monkeypatch):
+    """Negative control: global_grad_norm planted to count the replicated parameters (LayerNorms,
+    positions, row-parallel biases) on every rank. At T = 2 and 3, the clip active, the check FAILs
+    (exit 1): the norms exceed one process's, and at T = 2, against the same run unplanted, the first
+    loss is the same and the later ones are not: the clip by a wrong norm changed the training, not only
+    the report. At T = 1 the planted code is the right one (one replica), and the check passes."""
+    good = recipe_run(size)[1] if size == 2 else None
+    monkeypatch.setattr(tp, "global_grad_norm", counted_on_every_rank)
+    status, bad, out = recipe_run(size)
+    if size == 1:
+        assert status == 0 and bad["check_max_abs_diff"] <= tp.TOLERANCE, out
+        return
+    assert status == 1 and "-> FAIL" in out and bad["check_max_abs_diff"] > tp.TOLERANCE, out
+    if good is not None:
+        assert all(b > g + 0.1 for b, g in zip(bad["grad_norms"], good["grad_norms"]))
+        assert bad["losses"][0] == good["losses"][0]
+        assert max(abs(b - g) for b, g in zip(bad["losses"][1:], good["losses"][1:])) > tp.TOLERANCE
+
+
+@pytest.mark.mpi
+def test_adamw_resumes_on_another_grid_as_the_uninterrupted_run_and_a_restarted_schedule_does_not(
+        tmp_path_factory, monkeypatch):
+    """The recipe saved after step 2 on 3 ranks with the sequence cut (the vocabulary padded to 129:
+    padding rows in the moments too), resumed on 4 plain to step 4: the checkpoint holds AdamW's two
+    moments as pieces (exp_avg/<name>, exp_avg_sq/<name>) and its step count and the norms in its state;
+    the losses and norms so far are the saving run's, the later ones those of an uninterrupted run on 4
+    ranks within TOLERANCE, and --check passes. Negative control: a schedule restarted at the resume
+    (learning_rate of the steps since it) makes the later losses differ beyond TOLERANCE."""
+    save, planted = folder(tmp_path_factory, "adamw"), folder(tmp_path_factory, "adamw-planted")
+    flags = TINY + RECIPE + ["--save", save, "--no-check"]
+    status, saved, out, err = main_on(3, flags + ["--steps", "2", "--sequence-parallel"])
+    assert status == 0, out + err
+    status, whole, out, err = main_on(4, TINY + RECIPE + ["--steps", "4", "--no-check"])
+    assert status == 0, out + err
+    if world().Get_rank() == 0:
+        shutil.copytree(os.path.join(save, "step-000002"), os.path.join(planted, "step-000002"))
+        manifest = json.load(open(os.path.join(save, "step-000002", "manifest.json")))
+        keys = {key for entry in manifest["files"].values() for key in entry["pieces"]}
+        assert {"exp_avg/blocks.0.qkv.weight", "exp_avg_sq/out.weight", "exp_avg/norm.bias"} <= keys
+        assert not any(key.startswith("momentum/") for key in keys)
+        assert manifest["state"]["adamw_step"] == 2 and manifest["state"]["grad_norms"] == saved["grad_norms"]
+    settle()
+    status, resumed, out, err = main_on(4, TINY + RECIPE + ["--steps", "4", "--save", save, "--resume"])
+    assert status == 0 and "resumed from" in out and resumed["check_max_abs_diff"] <= tp.TOLERANCE, out + err
+    assert resumed["losses"][:2] == saved["losses"] and resumed["grad_norms"][:2] == saved["grad_norms"]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"] + resumed["grad_norms"],
+                                          whole["losses"] + whole["grad_norms"])) <= tp.TOLERANCE
+    real = tp.learning_rate
+    monkeypatch.setattr(tp, "learning_rate", lambda args, step: real(args, step - 2))  # counted from the resume
+    status, restarted, out, err = main_on(4, TINY + RECIPE + ["--steps", "4", "--save", planted, "--resume",
+                                                              "--no-check"])
+    assert status == 0, out + err
+    assert min(abs(a - b) for a, b in zip(restarted["losses"][3:], whole["losses"][3:])) > tp.TOLERANCE
 
 
 def test_vocabulary_is_padded_to_a_multiple_of_the_world_size():
