@@ -27,13 +27,13 @@ work at once on different micro-batches: idle (N-1)/(M+N-1) instead of (N-1)/N.
 
 Communication per step: each of the N-1 boundaries carries the batch's activations forward and
 their gradient back, each B x T x H elements of e bytes (float32: e = 4; bf16: e = 2):
-2(N-1) x B x T x H x e bytes in 2(N-1) point-to-point messages over all ranks, and no collective
-(each rank updates only its own parameters).
+2(N-1) x B x T x H x e bytes in 2(N-1) point-to-point messages over all ranks, and one collective:
+the Iallreduce of 4 bytes that sums the stages' squares into the gradient norm (--clip-grad).
 
 bf16 (--precision): forward and loss under torch.autocast(dtype=torch.bfloat16), on the ranks and
 in the check's one process. The parameters stay float32 (master weights; autocast casts each to bf16
-as a matmul uses it), gradients land in float32, SGD's momentum is float32; no gradient is summed
-here, so float32 against bf16 sums (half the bytes, rounding, no MPI bf16 sum) does not arise.
+as a matmul uses it), gradients, the optimizer's state and the norm land in float32; no gradient is
+summed, so float32 against bf16 sums (half the bytes, rounding, no MPI bf16 sum) does not arise.
 LayerNorm's input, softmax and loss in float32 (.float(): the CPU's autocast leaves them bf16). The
 residual stream is bf16 from the embeddings on, as Megatron's default (--fp32-residual-connection
 the other way), so what crosses a boundary is bf16 already and travels as bf16 both ways (e = 2):
@@ -98,13 +98,13 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "model_parallel"
-# Largest |difference| allowed against single-process training (float32): the same as in
-# pipeline_parallel.py. Nothing here reorders a sum (0 measured at N = 1..4 on one machine), but
-# ranks with another thread count or device than the reference's could, as micro-batches do there.
+# Largest |difference| allowed against single-process training (float32), as pipeline_parallel.py's.
+# Only the gradient norm reorders a sum here (AdamW, clipped: 4.8e-7 in 3 steps, 1.4e-6 in 60), but
+# ranks on another thread count or device than the reference's could, as micro-batches do there.
 TOLERANCE = 2e-5
 # bf16, both sides: 0 at N = 1..4 too; the reference at 1 and 2 threads differed by 3.9e-4 over 5
 # default steps (fp32: 4.8e-7): a weight's float32 rounding that crosses a bf16 boundary moves its
-# bf16 copy by 2^-8. Ten times that.
+# bf16 copy by 2^-8. Ten times that. AdamW over 60 steps exceeds it: 7.5e-3 (the reference: 5.0e-3).
 TOLERANCE_BF16 = 4e-3
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
@@ -117,8 +117,10 @@ POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core 
 TAGS = {"act": 1, "grad": 2}  # far below 32767, the least MPI_TAG_UB that MPI allows
 
 
-def train_step(stage, optimizer, x, y, shapes, comm, timeline, precision="fp32", saved=contextlib.nullcontext()):
-    """One optimizer step on the whole batch. Returns the loss on the last rank, elsewhere 0.
+def train_step(stage, optimizer, x, y, shapes, comm, timeline, precision="fp32",
+               saved=contextlib.nullcontext(), max_norm=0.0):
+    """One optimizer step on the whole batch, the gradients clipped to the global norm max_norm
+    (0: not clipped). Returns the loss on the last rank, elsewhere 0, and the global gradient norm.
     The forward and the loss under autocast in bf16 (backward follows the forward's casts); `saved`
     measures what the forward keeps for backward (SavedActivations, below the divider).
     While one rank computes, every other rank waits for its activations or its gradient.
@@ -154,9 +156,32 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline, precision="fp32",
     if rank > 0:
         sent = mpi_buffer(inp.grad.contiguous())
         comm.Isend(sent, dest=rank - 1, tag=TAGS["grad"]).Wait()
+    norm = clip_global_norm(stage, max_norm, comm)  # after every stage's backward, before any step
     with timeline.span("compute", "optimizer"):
         optimizer.step()
-    return loss.item() if loss is not None else 0.0
+    return loss.item() if loss is not None else 0.0, norm
+
+
+def clip_global_norm(stage, max_norm, comm):
+    """The norm of the whole model's gradient, the same on every rank, and the gradients scaled by
+    max_norm / (norm + 1e-6) where that is below 1, as torch.nn.utils.clip_grad_norm_ does in one
+    process (max_norm 0: measured, not clipped). No rank holds the whole gradient, but each
+    parameter lives on exactly one rank, so the squares add up stage by stage, each counted once:
+        |g|^2 = sum over the ranks r of ( sum over the parameters p of r's stage of sum(g_p^2) )
+    Each rank adds its own stage's squares; one Iallreduce over comm, all ranks (each holds
+    distinct parameters, none a replica), sums the N partial sums; every rank takes the square
+    root: the same norm, the same clip factor. An Iallreduce and a Wait, as the receives above: a
+    rank done with its backward waits there for rank 0's, napping between polls. float32
+    throughout; on a GPU the one float goes to MPI as a host copy."""
+    squares = sum(p.grad.square().sum() for p in stage.parameters()).reshape(1)  # this stage's part
+    buffer = mpi_buffer(squares, nonblocking=True)
+    comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM).Wait()  # + every other stage's: the whole
+    norm = from_mpi(squares, buffer).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if max_norm > 0 and scale < 1:
+        for p in stage.parameters():
+            p.grad.mul_(scale)
+    return norm.item()
 
 
 def autocast(device, precision):
@@ -388,24 +413,54 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, counted, device, stage, optimizer, shapes, timeline, saved, past=()):
-    """The steps after the `past` ones (their losses, from a checkpoint). Returns the losses of
-    the new steps (0 but on the last rank), their timings, and when the last step began and
-    ended on the timeline's clock. The step talks through `counted`, the communicator that
-    counts; the rest through comm."""
-    losses, records, window = [], [], (0.0, 0.0)
-    for step in range(len(past), args.steps):
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1  # --optimizer adamw: AdamW's, on every parameter
+
+
+def make_optimizer(args, parameters):
+    """--optimizer: SGD with momentum 0.9, or AdamW (float32 moments, decay on every parameter)."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, args.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    return torch.optim.SGD(parameters, lr=args.lr, momentum=0.9)
+
+
+def learning_rate(args, step):
+    """The learning rate of `step` (from 0), a function of the step alone, so that a resumed run
+    goes on where it stopped: a linear warm-up over --warmup-steps, then --lr, or a cosine from --lr
+    down to --lr / 10."""
+    lr, warmup = args.lr, args.warmup_steps
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if args.lr_schedule == "constant":
+        return lr
+    min_lr, progress = lr / 10, (step - warmup) / max(1, args.steps - warmup)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def train(args, comm, counted, device, stage, optimizer, shapes, timeline, saved, past=None):
+    """The steps after the `past` ones (a checkpoint's state: their losses and gradient norms).
+    Returns the losses of the new steps (0 but on the last rank), their gradient norms, their
+    timings, and when the last step began and ended on the timeline's clock. The step talks
+    through `counted`, the communicator that counts; the rest through comm."""
+    past = past or {"losses": [], "grad_norms": []}
+    losses, norms, records, window = [], [], [], (0.0, 0.0)
+    for step in range(len(past["losses"]), args.steps):
         start = time.perf_counter()
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        losses.append(train_step(stage, optimizer, x, y, shapes, counted, timeline, args.precision, saved))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args, step)
+        loss, norm = train_step(stage, optimizer, x, y, shapes, counted, timeline, args.precision,
+                                saved, args.clip_grad)
+        losses.append(loss)
+        norms.append(norm)
         records.append(timeline.step_record(start))
         window = (start - timeline.origin_s, start - timeline.origin_s + records[-1]["step_s"])
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             loss = comm.bcast(losses[-1], root=comm.Get_size() - 1)  # reporting only, not counted
-            print_progress(comm, args, step, loss, records[-1])
-        checkpoint_if_due(comm, args, step, lambda: stage_shard(comm, stage, optimizer, list(past) + losses),
+            print_progress(comm, args, step, loss, records[-1], norm)
+        so_far = lambda: {"losses": past["losses"] + losses, "grad_norms": past["grad_norms"] + norms}
+        checkpoint_if_due(comm, args, step, lambda: stage_shard(comm, stage, optimizer, so_far()),
                           model_config(args))
-    return losses, records, window
+    return losses, norms, records, window
 
 
 def all_losses(comm, losses):
@@ -415,36 +470,49 @@ def all_losses(comm, losses):
     return values.tolist()
 
 
-# Checkpoints: rank r writes what it holds, its stage's parameters and their SGD momentum, each tensor
-# whole under the whole model's name, not by rank (a slice of the nn.Sequential keeps its indices:
-# 3.attn.qkv.weight is block 2 on whichever rank holds it, momentum/3.attn.qkv.weight its momentum);
-# the last rank, which computes the losses, adds them. A resume on M ranks cuts layer_split(L, M)
-# afresh: each rank asks for the names of its new stage, wherever the old split put them, and reads
-# only the files that hold them.
-def stage_shard(comm, stage, optimizer, losses):
-    """What this rank saves: each tensor of its stage and its SGD momentum, whole (see piece()); the
-    last rank adds the losses so far (elsewhere `losses` holds zeros) as the checkpoint's state."""
+# Checkpoints: rank r writes what it holds, its stage's parameters and their optimizer state, each
+# tensor whole under the whole model's name, not by rank (a slice of the nn.Sequential keeps its
+# indices: 3.attn.qkv.weight is block 2 on whichever rank holds it, momentum/3.attn.qkv.weight
+# its SGD momentum, exp_avg/ and exp_avg_sq/3.attn.qkv.weight its AdamW moments); the last rank,
+# which computes the losses, adds them, the gradient norms and AdamW's step count. A resume on M
+# ranks cuts layer_split(L, M) afresh: each rank asks for the names of its new stage, wherever the
+# old split put them, and reads only the files that hold them. The learning rate is the step's.
+MOMENTS = {torch.optim.SGD: {"momentum": "momentum_buffer"},  # a checkpoint's prefix: the state's key
+           torch.optim.AdamW: {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
+
+
+def stage_shard(comm, stage, optimizer, so_far):
+    """What this rank saves: each tensor of its stage and its optimizer state, whole (see piece());
+    the last rank adds so_far, the losses (elsewhere zeros) and norms so far, and AdamW's step
+    count, as the checkpoint's state."""
     pieces = {name: piece(t) for name, t in stage.state_dict().items()}
-    pieces.update({f"momentum/{name}": piece(optimizer.state[p]["momentum_buffer"])
-                   for name, p in stage.named_parameters() if "momentum_buffer" in optimizer.state[p]})
-    return pieces, {"losses": losses} if comm.Get_rank() == comm.Get_size() - 1 else None
+    pieces.update({f"{kind}/{name}": piece(optimizer.state[p][key]) for name, p in stage.named_parameters()
+                   for kind, key in MOMENTS[type(optimizer)].items() if key in optimizer.state[p]})
+    steps = [int(state["step"]) for state in optimizer.state.values() if "step" in state]  # AdamW's
+    state = {**so_far, **({"adam_step": steps[0]} if steps else {})}
+    return pieces, state if comm.Get_rank() == comm.Get_size() - 1 else None
 
 
-def stage_regions(stage):
+def stage_regions(stage, optimizer):
     """What this rank asks a checkpoint for, whatever split wrote it: every tensor of its stage on
-    this run's split and that tensor's momentum, each whole."""
+    this run's split and that tensor's optimizer state, each whole."""
     shapes = {name: t.shape for name, t in stage.state_dict().items()}
-    shapes.update({f"momentum/{name}": p.shape for name, p in stage.named_parameters()})
+    shapes.update({f"{kind}/{name}": p.shape for name, p in stage.named_parameters()
+                   for kind in MOMENTS[type(optimizer)]})
     return {key: region(shape) for key, shape in shapes.items()}
 
 
 def restore_stage(stage, optimizer, manifest, blocks):
     """Load the blocks stage_regions asked for into the stage and its optimizer; returns the losses
-    of the steps the checkpoint trained."""
+    and gradient norms of the steps the checkpoint trained."""
     stage.load_state_dict({name: blocks[name] for name in stage.state_dict()})
+    state = manifest["state"]
     for name, p in stage.named_parameters():
-        optimizer.state[p]["momentum_buffer"] = blocks[f"momentum/{name}"].to(p.device)
-    return manifest["state"]["losses"]
+        optimizer.state[p].update({key: blocks[f"{kind}/{name}"].to(p.device)
+                                   for kind, key in MOMENTS[type(optimizer)].items()})
+        if "adam_step" in state:
+            optimizer.state[p]["step"] = torch.tensor(float(state["adam_step"]))
+    return {"losses": state["losses"], "grad_norms": state["grad_norms"]}
 
 
 def main(argv=None, comm=MPI.COMM_WORLD):
@@ -456,11 +524,11 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         counted = CountedComm(comm, run.timeline)
         rank, n = comm.Get_rank(), comm.Get_size()
         stage = build_stage(args, rank, n, run.device)  # cut from the whole built on the CPU; the rest freed
-        optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
-        past, resumed = [], None
+        optimizer = make_optimizer(args, stage.parameters())
+        past, resumed = {"losses": [], "grad_norms": []}, None
         if args.resume:
             resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
-                                              lambda manifest: stage_regions(stage), args.steps)
+                                              lambda manifest: stage_regions(stage, optimizer), args.steps)
             if blocks is not None:  # this run's split, whatever split wrote the checkpoint
                 past = restore_stage(stage, optimizer, resumed, blocks)
         shapes = agree_shapes(stage, comm, args.batch_size, args.seq_len, run.device, args.precision)
@@ -468,17 +536,17 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         counted.reset()  # count the training steps only
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
         saved = SavedActivations(stage)  # what each step's forward keeps for backward, measured
-        losses, records, window = train(args, comm, counted, run.device, stage, optimizer, shapes, run.timeline,
-                                        saved, past)
+        losses, norms, records, window = train(args, comm, counted, run.device, stage, optimizer,
+                                               shapes, run.timeline, saved, past)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
-    losses = past + all_losses(comm, losses)
-    diff = check(comm, args, losses, stage) if args.check else None
+    losses, norms = past["losses"] + all_losses(comm, losses), past["grad_norms"] + norms  # every rank's
+    diff = check(comm, args, losses, norms, stage) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, stage, optimizer, losses, records, counted, diff, window, saved)
+    return report(comm, args, run, stage, optimizer, losses, norms, records, counted, diff, window, saved)
 
 
 # =============================================================================
@@ -524,31 +592,41 @@ CHECK_TAG = 3  # the stages' parameters sent to rank 0 for the check; the step's
 
 
 # What the reference shares with the ranks, and why each is harmless: build_model and its classes
-# (the network), make_batch, autocast, torch's SGD and F.cross_entropy. Its own: the whole model on the whole
-# batch, no stage and no message. stage_of only cuts the trained reference to compare each rank's
-# stage with its part; the losses, from the uncut model, show a split that drops or repeats a layer.
+# (the network), make_batch, autocast, torch's SGD and AdamW (AdamW's BETAS, EPS, WEIGHT_DECAY) and
+# F.cross_entropy. Its own: the whole model on the whole batch, no stage and no message; the schedule
+# written out step by step; the norm and the clip by torch.nn.utils.clip_grad_norm_, which returns the
+# norm. stage_of only cuts the trained reference to compare each rank's stage with its part; the
+# losses, from the uncut model, show a split that drops or repeats a layer.
 def reference_training(args):
-    """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once."""
-    model = build_model(args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    losses = []
+    """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once.
+    Returns the losses, the trained model and the gradient norms."""
+    model, lr, warmup = build_model(args), args.lr, args.warmup_steps
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+                 if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    decay = [lr if args.lr_schedule == "constant" else lr / 10 + 0.5 * (lr - lr / 10) * (
+        1 + math.cos(math.pi * k / max(1, args.steps - warmup))) for k in range(args.steps - warmup)]
+    schedule = [lr * (k + 1) / warmup for k in range(warmup)] + decay
+    losses, norms = [], []
     for step in range(args.steps):
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
         optimizer.zero_grad()
         with autocast(x.device, args.precision):
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
+        optimizer.param_groups[0]["lr"] = schedule[step]
         optimizer.step()
         losses.append(loss.item())
-    return losses, model
+    return losses, model, norms
 
-def check(comm, args, losses, stage, reference=None):
-    """Rank 0 trains the reference on the CPU (or takes `reference`, its losses and model) and
-    compares every stage, which each rank sends it in turn: no other rank holds more than its
-    stage. Every rank gets the largest difference."""
+def check(comm, args, losses, norms, stage, reference=None):
+    """Rank 0 trains the reference on the CPU (or takes `reference`, its losses, model and norms)
+    and compares the losses, the gradient norms and every stage, which each rank sends it in turn:
+    no other rank holds more than its stage. Every rank gets the largest difference."""
     diff = None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference or reference_training(args)
+        ref_losses, ref_model, ref_norms = reference or reference_training(args)
+        losses, ref_losses = losses + norms, ref_losses + ref_norms  # the norms count as the losses do
         diff = max_difference(losses, stage.state_dict(), ref_losses, ref_model)
         for r in range(1, comm.Get_size()):
             state = {name: torch.empty_like(t) for name, t in stage_of(ref_model, r, comm.Get_size()).state_dict().items()}
@@ -577,25 +655,31 @@ def print_header(comm, args, run, stage, shapes, resumed):
            f"{' '.join(f'{k:,}' for k in stage_params)}",
            f"global batch {args.batch_size} sequences of {args.seq_len} characters, all through every "
            f"rank in turn | between stages: {list(shapes['grad'][0]) if n > 1 else 'nothing'} "
-           f"{str(shapes['grad'][1]).removeprefix('torch.') if n > 1 else ''}".rstrip())
+           f"{str(shapes['grad'][1]).removeprefix('torch.') if n > 1 else ''}".rstrip(),
+           f"{args.optimizer}, lr {args.lr:g}, {args.lr_schedule} after {args.warmup_steps} warm-up step(s) | "
+           + (f"gradients clipped to a global norm of {args.clip_grad:g}" if args.clip_grad else "no clipping"))
 
-def report(comm, args, run, stage, optimizer, losses, records, counted, diff, window, saved):
+def report(comm, args, run, stage, optimizer, losses, norms, records, counted, diff, window, saved):
     """The timelines, the busy share, memory and messages, the overlap; then finish() (the split of
     a step, the verdict, --json). Returns the exit status."""
     n, steps_run = comm.Get_size(), max(1, len(records))
     messages, sent = (comm.allreduce(count["Isend"] / steps_run) for count in (counted.calls, counted.bytes))
+    collectives, summed = counted.calls["Iallreduce"] / steps_run, counted.bytes["Iallreduce"] / steps_run
     ideal = [[("F", r, r + 1), ("B", 2 * n - 1 - r, 2 * n - r)] for r in range(n)]  # one slot each
     measured = measured_timeline(comm, run.timeline, window, 2, 4 * n)
     later = records[1:] or records
     busy = comm.allgather(statistics.median(r["compute_s"] / r["step_s"] for r in later))
-    waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in later))
-    # What each rank holds after training: its parameters, their gradients, SGD's momentum buffers.
+    # The norm's Iallreduce (comm) waits for rank 0's backward: waiting for a peer too, as a receive does.
+    waits = comm.allgather(statistics.median((r["wait_s"] + r["comm_s"]) / r["step_s"] for r in later))
+    # What each rank holds after training: its parameters, their gradients, the optimizer's state.
     param_bytes = comm.allgather(sum(p.numel() * p.element_size() for p in stage.parameters()))
     grad_bytes = comm.allgather(sum(p.grad.numel() * p.grad.element_size() for p in stage.parameters()
                                     if p.grad is not None))
     state_bytes = comm.allgather(sum(t.numel() * t.element_size() for s in optimizer.state.values()
                                      for t in s.values() if torch.is_tensor(t)))
-    held, one_process = [sum(b) for b in zip(param_bytes, grad_bytes, state_bytes)], 3 * sum(param_bytes)
+    moments = len(MOMENTS[type(optimizer)])  # SGD's momentum, or AdamW's two moments
+    held = [sum(b) for b in zip(param_bytes, grad_bytes, state_bytes)]
+    one_process = (2 + moments) * sum(param_bytes)
     e = 2 if args.precision == "bf16" else 4  # bytes per element of what crosses a boundary
     formula = 2 * (n - 1) * args.batch_size * args.seq_len * args.hidden * e
     kept, predicted = comm.allgather(saved.bytes), [activation_bytes(args, r, n) for r in range(n)]
@@ -610,13 +694,15 @@ def report(comm, args, run, stage, optimizer, losses, records, counted, diff, wi
              f"share of the step per rank: busy {' '.join(f'{100 * b:.0f}%' for b in busy)} | waiting for a "
              f"peer {' '.join(f'{100 * w:.0f}%' for w in waits)} | ideal: busy 1/N = {100 / n:.0f}%, idle "
              f"(N-1)/N = {100 * (n - 1) / n:.0f}%",
-             "memory per rank: stage states (live tensors after training: parameters, gradients, momentum) "
+             "memory per rank: stage states (live tensors after training: parameters, gradients, "
+             + ("SGD's momentum) " if moments == 1 else "AdamW's moments) ")
              + " | ".join(f"{h / 1e6:.2f} MB ({100 * h / one_process:.0f}%)" for h in held)
              + f" of the {one_process / 1e6:.2f} MB one process holds; measured peak "
              + " | ".join(f"{b / 1e6:.2f}" for b in comm.allgather(run.memory.bytes))
              + " MB: the states, the batch's activations, and the process's working memory",
              f"point-to-point: {messages:g} messages, {sent:,.0f} bytes/step over all ranks; "
-             f"2(N-1) x B x T x H x {e} = {formula:,} | no collective in the step",
+             f"2(N-1) x B x T x H x {e} = {formula:,} | collectives: {collectives:g} Iallreduce of {summed:g} "
+             f"bytes per step, the global gradient norm (last {norms[-1]:.4f})",
              f"activations kept for backward (--recompute {args.recompute}), measured per rank: "
              f"{' | '.join(f'{k:,}' for k in kept)} bytes; the docstring's formula: "
              f"{' | '.join(f'{k:,}' for k in predicted)}",
@@ -625,8 +711,9 @@ def report(comm, args, run, stage, optimizer, losses, records, counted, diff, wi
              f"instead of (N-1)/N = {100 * (n - 1) / n:.0f}% here (measured: {100 * idle:.0f}% waiting); "
              f"mpirun -np {n} python pipeline_parallel.py measures it" if n > 1 else
              "one rank holds the whole model and never waits: there is no idle time for a pipeline to remove"]
-    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
-        "comm_bytes_per_step": sent, "collectives_per_step": 0, "messages_per_step": messages,
+    return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters", lines, {
+        "comm_bytes_per_step": sent, "collectives_per_step": collectives, "messages_per_step": messages,
+        "collective_bytes_per_step": summed, "grad_norms": norms,
         "layer_split": layer_split(args.layers, n), "stage_params": [b // 4 for b in param_bytes],
         "busy_fraction": busy, "idle_fraction": waits, "busy_fraction_ideal": 1 / n,
         "param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": state_bytes,
@@ -685,7 +772,19 @@ def parse_args(argv, world_size):
     p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
     p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
     p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                   help="sgd: momentum 0.9; adamw: betas (0.9, 0.95), eps 1e-8, weight decay 0.1 (wants a far "
+                        "smaller --lr than SGD, e.g. 1e-3)")
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+                   help="after the warm-up: --lr throughout, or a cosine from --lr down to --lr / 10 (reached a "
+                        "step after the last)")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step k at --lr x (k+1) / W")
+    p.add_argument("--clip-grad", type=checked(float, lambda v: 0 <= v < math.inf, "a number, 0 or more"),
+                   default=0.0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM (0: off)")
     args = check_common(p.parse_args(argv))
+    if args.warmup_steps >= args.steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves none of the {args.steps} steps after the "
+                          f"warm-up; use at most {args.steps - 1}, or more --steps")
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads; use a "
                           f"multiple of {args.heads}, or --heads that divides {args.hidden}")
@@ -707,9 +806,10 @@ def max_difference(losses, state, ref_losses, ref_model):
     return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: progress, the summary and --json, --trace -----------------------
-def print_progress(comm, args, step, loss, record):
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
-                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+def print_progress(comm, args, step, loss, record, norm=None):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | " + (f"norm {norm:.4f} | " if norm is not None else "")
+           + f"{record['step_s'] * 1e3:.1f} ms/step | comm {record['comm_s'] * 1e3:.1f} ms | "
+             f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
 def finish(comm, args, run, losses, records, diff, compared, lines, keys):
     """The summary: the file's own `lines`, the split of a step (medians over the steps after the
@@ -799,14 +899,12 @@ def fsync_folder(path):  # the names a folder holds, made durable as its files' 
     os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard, (pieces, state) from make_shard, goes into root/.tmp-step-N: pieces maps a
-    name to (tensor, the whole's shape, where the tensor starts in it), see piece(); state (small,
-    JSON) is kept from the first rank that gives one. Rank 0 then writes the manifest, the index of
-    which file holds which region of which tensor, and renames the folder to step-N (files and
-    folder fsynced before, the parent after): a job killed before the rename leaves the previous
-    checkpoint as it was. A region that an earlier file holds already (a replicated parameter) is
-    left out of the index. A write that fails on any rank (a full disk) ends the job on every rank
-    with one line, the previous checkpoint whole."""
+    """Each rank's shard, (pieces, state): pieces {key: piece(...)}, state a small JSON dict (the
+    first rank's that gives one is kept), goes into root/.tmp-step-N. Rank 0 writes the manifest, the
+    index of which file holds which block of which tensor (a block an earlier file holds, replicated,
+    left out), and renames the folder to step-N, fsynced before and the parent after: a job killed
+    before the rename leaves the previous checkpoint as it was. A write that fails on any rank (a
+    full disk) ends the job on every rank with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
     pieces, state = shard
     files, error = {}, None
@@ -856,8 +954,8 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def piece(tensor, shape=None, offset=None):
-    """A tensor as a checkpoint holds it: a CPU copy (a view would save its whole storage), the
-    shape of the whole it is a block of, and the index where it starts in each dimension."""
+    """A tensor as a checkpoint holds it: a CPU copy (not a view of a larger storage), the shape of
+    the whole it is a block of, and where it starts in each dimension."""
     copy = tensor.detach().cpu().clone()
     return copy, list(shape or copy.shape), list(offset or [0] * copy.dim())
 
@@ -926,11 +1024,10 @@ def assemble(manifest, wanted, tensors):
 
 def load_checkpoint(comm, root, config, wanted, steps):
     """The newest checkpoint whose every file that some rank needs is whole: its manifest and the
-    blocks this rank asked for, wanted(manifest) = {key: region(...)}, each cut from the pieces
-    that overlap it, whatever the grid that wrote them; (None, None) when root holds none yet (a
-    batch job's first run). Every rank's blocks come from that one checkpoint: a damaged file
-    makes all ranks fall back together to the one before, and rank 0 says which and why. One that
-    does not fit this run (another strategy, model or tensor shape) is a ConfigError on every rank."""
+    blocks this rank asks for, wanted(manifest) = {key: region(...)}, cut from the pieces that overlap
+    them whatever the grid that wrote them; (None, None) when root holds none yet (a first run). All
+    ranks take theirs from that one checkpoint: a damaged file makes every rank fall back to the one
+    before, and rank 0 says why. One that does not fit this run is a ConfigError on every rank."""
     found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
     if not found:
         print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
@@ -1123,18 +1220,23 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_CO
                         "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID", "SLURM_LOCALID")
 # How many ranks the launcher started: PMI (MPICH, srun --mpi=pmi2), Open MPI, MVAPICH; last, srun's
 # count of a step whose ranks it started itself (srun --mpi=pmix sets no size of PMIx's own).
-WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE", "SLURM_STEP_NUM_TASKS")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PALS_RANKID", "FLUX_TASK_RANK", "SLURM_PROCID")
 
 def launcher_local_rank():
     """This rank's index on its node, as the launcher tells it."""
     return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
 
 def check_one_job(world_size):
-    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused."""
+    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused before
+    anything is written, in one line from the launcher's rank 0 alone (each job's rank 0 would say it)."""
     told = next((v for v in WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), None)
     if told and int(os.environ[told]) > 1 and world_size == 1:
-        raise ConfigError(f"the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would train "
-                          f"alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or rebuild mpi4py")
+        if next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v, "").isdigit()), "0") == "0":
+            print(f"error: the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would "
+                  f"train alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or "
+                  f"rebuild mpi4py", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 def node_cores(node):
     """The cores the ranks of this node may run on, together (their affinity, e.g. a Slurm cgroup)."""
@@ -1161,7 +1263,6 @@ def setup(comm, args):
     """This rank's device, whether MPI reads its memory, the timeline, the memory meter, and the
     header's facts."""
     global CUDA_AWARE, SLEEP_WHILE_WAITING
-    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     launcher = launcher_local_rank()
@@ -1175,7 +1276,7 @@ def setup(comm, args):
         device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
-        CUDA_AWARE = mpi_cuda_aware(comm)
+        CUDA_AWARE, decided = mpi_cuda_aware(comm)
         if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
             try:
                 torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
@@ -1184,7 +1285,7 @@ def setup(comm, args):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic = True
             torch.use_deterministic_algorithms(True, warn_only=True)
-        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        transport = f"{'direct (CUDA-aware MPI' if CUDA_AWARE else 'staged through host memory ('}{decided})"
         uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
         if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
             notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
@@ -1200,29 +1301,43 @@ def setup(comm, args):
     return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies is
-    refused); else MPI 4.1's mpi_memory_alloc_kinds if it lists cuda; else MPIX_Query_cuda_support."""
+    """Can MPI read GPU memory, and how was that decided? MPI_CUDA_AWARE=1|0 when set, no library
+    probed (a debug MPICH before 4.0 asserts in its query); a 1 the memory kinds contradict is a
+    warning (Open MPI without CUDA over a CUDA UCX lists none, and reads GPU memory). Unset: MPI 4.1's
+    memory kinds; Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1 with its GTL library loaded; else
+    MPIX_Query_cuda_support, whose yes in Open MPI 4 tells only how the library was built."""
     try:
         kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
     except (MPI.Exception, NotImplementedError, AttributeError):
         kinds = None
-    says = True if kinds is not None and cuda_in_kinds(kinds) else mpix_query_cuda_support()  # not listed: unknown
     forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced == "1" and says is False:
-        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
-                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
-                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
-    return forced == "1" if forced in ("0", "1") else bool(says)
+    if forced in ("0", "1"):
+        doubt = forced == "1" and kinds is not None and not cuda_in_kinds(kinds)
+        return forced == "1", f"MPI_CUDA_AWARE={forced}" + (f"; warning: the library's memory kinds "
+                                                           f"({kinds}) list no cuda" if doubt else "")
+    if kinds is not None and cuda_in_kinds(kinds):
+        return True, f"memory kinds {kinds}"
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1" and mpi_libraries_loaded("libmpi_gtl_cuda"):
+        return True, "Cray MPICH: MPICH_GPU_SUPPORT_ENABLED=1, its GTL library loaded"
+    says = mpix_query_cuda_support()
+    if says and mpi_library().startswith("Open MPI v4"):
+        return True, ("probably: Open MPI 4's MPIX_Query_cuda_support says how it was built, not what its "
+                      "transport can do; MPI_CUDA_AWARE=0 stages")
+    return bool(says), "MPIX_Query_cuda_support" if says is not None else "no sign of CUDA support"
 
 def cuda_in_kinds(kinds):
     """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
     at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
     return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
 
+def mpi_libraries_loaded(name="libmpi"):
+    """The paths of the libraries loaded in this process whose path holds name (Linux)."""
+    maps = "/proc/self/maps"
+    return sorted({line.split()[-1] for line in open(maps) if name in line} if os.path.exists(maps) else [])
+
 def mpix_query_cuda_support():
     """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
-    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
-    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+    for path in mpi_libraries_loaded():
         query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
         if query is not None:
             return bool(query())
@@ -1319,7 +1434,9 @@ def check_common(args):
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
-    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates.
+    First of all, N one-rank jobs are refused: they would write N probes in one folder."""
+    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     rank, error = comm.Get_rank(), None
     try:
         if args.save:

@@ -1,8 +1,9 @@
 """model_parallel.py: the layer split, one step under MPI against one process, the script end to end."""
 import json
+import math
 import os
 import shutil
-import time
+import types
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,11 @@ from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, 
 
 TINY = ["--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "6", "--steps", "3",
         "--seed", "5"]
+# The training recipe users train with: AdamW, a warm-up then a cosine, the global gradient norm clipped
+# below what it measures here (about 3.1, 2.0 and 1.7 over TINY's 3 steps), so that every step clips.
+CLIP = 0.05
+RECIPE = ["--optimizer", "adamw", "--lr", "0.01", "--lr-schedule", "cosine", "--warmup-steps", "1",
+          "--clip-grad", str(CLIP)]
 
 
 @pytest.mark.parametrize("layers,n", [(l, n) for n in range(1, 9) for l in range(n, 17)])
@@ -42,26 +48,23 @@ def test_stages_hold_every_parameter_once(layers, n):
 
 
 def train_split(args, comm, saved=None):
-    """The pieces main() uses, without the report: the losses (on every rank), this rank's stage,
-    and the timeline; `saved`, a list, receives this rank's SavedActivations and counted comm."""
+    """The pieces main() uses, without the report: the losses (on every rank), the gradient norms,
+    this rank's stage, and the timeline; `saved`, a list, receives this rank's SavedActivations and
+    counted comm. The steps are main()'s own train(): the learning rate of each step, the clip."""
     n, rank = comm.Get_size(), comm.Get_rank()
     device = torch.device("cpu")
     # A fair share of the cores for every rank of the job, not only of this sub-communicator.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world().Get_size()))
     timeline = mp.Timeline(device)
     stage = mp.build_stage(args, rank, n, device)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = mp.make_optimizer(args, stage.parameters())
     shapes = mp.agree_shapes(stage, comm, args.batch_size, args.seq_len, device, args.precision)
     counted = mp.CountedComm(comm, timeline)  # its waits sleep between polls, as in a run
-    meter, losses = mp.SavedActivations(stage), []
-    for step in range(args.steps):
-        start = time.perf_counter()
-        losses.append(mp.train_step(stage, optimizer, *mp.make_batch(args.seed, step, args.batch_size, args.seq_len),
-                                    shapes, counted, timeline, args.precision, meter))
-        timeline.step_record(start)
+    meter = mp.SavedActivations(stage)
+    losses, norms, _, _ = mp.train(args, comm, counted, device, stage, optimizer, shapes, timeline, meter)
     if saved is not None:
         saved += [meter, counted]
-    return comm.bcast(losses, root=n - 1), stage, timeline
+    return comm.bcast(losses, root=n - 1), norms, stage, timeline
 
 
 def limit(precision):
@@ -71,16 +74,16 @@ def limit(precision):
 def check_against_reference(comm, size, precision="fp32"):
     for layers in sorted({size, 5}):  # divisible by the world size or not
         args = mp.parse_args(TINY + ["--layers", str(layers), "--precision", precision], size)
-        losses, stage, _ = train_split(args, comm)
+        losses, norms, stage, _ = train_split(args, comm)
         reference = mp.reference_training(args)  # every rank's own, to compare without check()
         ref_stage = mp.stage_of(reference[1], comm.Get_rank(), size)
-        diff = max([abs(a - b) for a, b in zip(losses, reference[0])] +
+        diff = max([abs(a - b) for a, b in zip(losses + norms, reference[0] + reference[2], strict=True)] +
                    [(p - q).abs().max().item()
                     for p, q in zip(stage.parameters(), ref_stage.parameters(), strict=True)])
         diff = max_everywhere(diff, comm)
         assert diff <= limit(precision), (size, layers)
         # check() finds the same largest difference, from rank 0's reference alone
-        found = mp.check(comm, args, losses, stage, reference if comm.Get_rank() == 0 else None)
+        found = mp.check(comm, args, losses, norms, stage, reference if comm.Get_rank() == 0 else None)
         assert agree(found == diff, comm), (found, diff)
 
 
@@ -94,14 +97,14 @@ def test_model_parallel_equals_single_process_training(size, precision):
 
 
 def nudged_checks(comm, size, precision="fp32"):
-    """What check() reports after each trained parameter in turn, then one loss, is moved by a
-    little more than the tolerance (its last element: a check that skipped a parameter, a rank, the
-    end of a stage or the losses would miss one)."""
+    """What check() reports after each trained parameter in turn, then one loss, then one gradient
+    norm, is moved by a little more than the tolerance (its last element: a check that skipped a
+    parameter, a rank, the end of a stage, the losses or the norms would miss one)."""
     args = mp.parse_args(TINY + ["--layers", "5", "--precision", precision], size)
-    losses, stage, _ = train_split(args, comm)
+    losses, norms, stage, _ = train_split(args, comm)
     reference = mp.reference_training(args) if comm.Get_rank() == 0 else None
     nudge = 1.5 * limit(precision)
-    found = {"none": mp.check(comm, args, losses, stage, reference)}
+    found = {"none": mp.check(comm, args, losses, norms, stage, reference)}
     counts = comm.allgather(len(list(stage.parameters())))
     for owner, count in enumerate(counts):
         for i in range(count):
@@ -110,12 +113,15 @@ def nudged_checks(comm, size, precision="fp32"):
                 if param is not None:
                     kept = param.view(-1)[-1].item()
                     param.view(-1)[-1] += nudge
-                found[owner, i] = mp.check(comm, args, losses, stage, reference)
+                found[owner, i] = mp.check(comm, args, losses, norms, stage, reference)
                 if param is not None:
                     param.view(-1)[-1] = kept
     moved = list(losses)
     moved[len(moved) // 2] += nudge
-    found["loss"] = mp.check(comm, args, moved, stage, reference)
+    found["loss"] = mp.check(comm, args, moved, norms, stage, reference)
+    moved = list(norms)
+    moved[-1] -= nudge
+    found["norm"] = mp.check(comm, args, losses, moved, stage, reference)
     return found, sum(counts)
 
 
@@ -127,7 +133,7 @@ def test_check_reports_every_nudged_parameter_and_loss(size, precision):
             found, params = nudged_checks(comm, size, precision)
             assert agree(found.pop("none") <= limit(precision), comm)
             missed = [key for key, diff in found.items() if not diff > limit(precision)]
-            assert agree(not missed and len(found) == params + 1, comm), missed
+            assert agree(not missed and len(found) == params + 2, comm), missed
 
 
 @pytest.mark.mpi
@@ -143,8 +149,8 @@ def test_a_boundary_gradient_divided_by_n_fails_the_bf16_check(plant, monkeypatc
     with sub_comm(2) as comm:
         if comm is not None:
             args = mp.parse_args(TINY + ["--layers", "4", "--precision", "bf16"], 2)
-            losses, stage, _ = train_split(args, comm)
-            diff = mp.check(comm, args, losses, stage)
+            losses, norms, stage, _ = train_split(args, comm)
+            diff = mp.check(comm, args, losses, norms, stage)
             assert agree(diff > mp.TOLERANCE_BF16 if plant else diff <= mp.TOLERANCE_BF16, comm), diff
 
 
@@ -171,7 +177,7 @@ def test_recomputation_keeps_the_docstrings_activation_bytes_and_the_same_losses
                 args = mp.parse_args(TINY + ["--layers", "4", "--precision", precision, "--recompute",
                                              recompute.replace("planted", "full")], 3)
                 saved = []
-                losses, _, _ = train_split(args, comm, saved)
+                losses, _, _, _ = train_split(args, comm, saved)
                 runs[recompute] = losses, saved[0].bytes, mp.activation_bytes(args, rank, 3), saved[1]
             e = 2 if precision == "bf16" else 4
             none, selective, full, planted = (runs[k] for k in ("none", "selective", "full", "planted"))
@@ -197,23 +203,119 @@ def test_no_send_flies_while_a_rank_computes():
             assert agree(count == [0, (rank > 0) + (rank < 2)], comm), count
 
 
+# --- The training recipe: AdamW, the learning rate schedule, the global gradient norm and its clip --
+def test_the_learning_rate_is_the_schedule_of_the_step():
+    """The warm-up's (k + 1) / W, then constant, or the cosine from lr (first step after the warm-up)
+    down toward lr / 10 (its half-way point 0.55 lr): values worked out by hand."""
+    cosine = mp.parse_args(["--lr", "1", "--steps", "6", "--warmup-steps", "2", "--lr-schedule", "cosine"], 1)
+    constant = mp.parse_args(["--lr", "1", "--steps", "6", "--warmup-steps", "2"], 1)
+    assert [mp.learning_rate(cosine, k) for k in range(2)] == [0.5, 1.0]
+    assert [mp.learning_rate(constant, k) for k in range(6)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert mp.learning_rate(cosine, 2) == 1.0 and mp.learning_rate(cosine, 4) == pytest.approx(0.55)
+    assert mp.learning_rate(cosine, 5) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 3 / 4)))
+    assert mp.learning_rate(mp.parse_args(["--lr", "1", "--steps", "1"], 1), 0) == 1.0  # no warm-up
+
+
+def recipe_check(comm, size, precision="fp32"):
+    """The recipe on the layer split against one process: check()'s largest difference (losses,
+    norms, parameters), the largest norm difference alone, and whether every step clipped."""
+    args = mp.parse_args(TINY + RECIPE + ["--layers", "5", "--precision", precision], size)
+    losses, norms, stage, _ = train_split(args, comm)
+    reference = mp.reference_training(args) if comm.Get_rank() == 0 else None
+    diff = mp.check(comm, args, losses, norms, stage, reference)
+    norm_diff = comm.bcast(reference and max(abs(a - b) for a, b in zip(norms, reference[2], strict=True)), root=0)
+    return diff, norm_diff, min(norms) > CLIP
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (4, "fp32"), (4, "bf16")])
+def test_the_recipe_equals_single_process_training_with_every_step_clipped(size, precision):
+    """AdamW, one warm-up step, a cosine, the norm clipped to 0.05 at every step: the split's losses,
+    norms and parameters against one process (5 blocks: 5, 3+2, 2+2+1, 2+1+1+1). Measured: the
+    norms 2.4e-7 to 4.8e-7 apart (a sum of squares over the stages, against clip_grad_norm_'s norm of
+    the parameters' norms), the parameters 1.2e-7 at most, the losses 0; bf16 at N = 4 the same."""
+    with sub_comm(size) as comm:
+        if comm is not None:
+            diff, norm_diff, clipped = recipe_check(comm, size, precision)
+            assert agree(clipped and diff <= limit(precision) and norm_diff <= diff, comm), (diff, norm_diff)
+
+
+class NormOfOwnStage(mp.CountedComm):
+    """The planted bug: the norm's Iallreduce sums nothing, so each rank clips by its own stage's norm,
+    the other stages' squares missing."""
+
+    def Iallreduce(self, *args, **kwargs):
+        return types.SimpleNamespace(Wait=lambda: None)
+
+
+@pytest.mark.mpi
+def test_a_norm_missing_the_other_stages_fails_the_check(monkeypatch):
+    """At N = 2 with the recipe, each rank clipping by its own stage's norm (smaller than the whole
+    model's) clips less: the check FAILs (measured: the norms 1.4 apart, the parameters 4.9e-3).
+    Unplanted, the same run passes (the test above at N = 2)."""
+    monkeypatch.setattr(mp, "CountedComm", NormOfOwnStage)
+    with sub_comm(2) as comm:
+        if comm is not None:
+            diff, norm_diff, clipped = recipe_check(comm, 2)
+            assert agree(clipped and diff > 100 * mp.TOLERANCE and norm_diff > 0.1, comm), (diff, norm_diff)
+
+
+def printed_norms(out):
+    """The norms of the progress lines ('| norm 0.5312 |'), by step."""
+    return [float(line.split("| norm ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.mpi
+def test_a_run_with_the_recipe_prints_each_norm_clipped_and_passes_the_check(capsys):
+    """main() at N = 3 as a user runs it, the recipe and --log-every 1: every progress line shows
+    the global norm, above --clip-grad; --json holds the same norms; one Iallreduce of 4 bytes a
+    step; the check, which compares the norms too, PASSes."""
+    with sub_comm(3) as comm:
+        if comm is not None:
+            status = mp.main(TINY + RECIPE + ["--layers", "4", "--log-every", "1", "--json"], comm)
+            out = capsys.readouterr().out
+            run = json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 else None
+            norms = printed_norms(out)
+            ok = comm.Get_rank() != 0 or (
+                len(norms) == 3 and min(norms) > CLIP and "-> PASS" in out and "adamw, lr 0.01, cosine" in out
+                and norms == [round(n, 4) for n in run["grad_norms"]] and run["collectives_per_step"] == 1
+                and run["collective_bytes_per_step"] == 4 and run["check_max_abs_diff"] <= mp.TOLERANCE)
+            assert agree(status == 0 and ok, comm), out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("argv, says", [
+    (["--clip-grad", "-1"], "--clip-grad must be a number, 0 or more, got -1.0"),
+    (["--warmup-steps", "3"], "--warmup-steps 3 leaves none of the 3 steps"),
+    (["--optimizer", "adam"], "invalid choice: 'adam'"),
+])
+def test_bad_recipe_flags_exit_2_with_one_line_before_training(argv, says, capsys):
+    with sub_comm(1) as comm:
+        if comm is not None:
+            status = mp.main(TINY + argv, comm)
+            captured = capsys.readouterr()
+            errors = captured.err.strip().splitlines()
+            assert status == 2 and len(errors) == 1 and errors[0].startswith("error: ") and says in errors[0], errors
+            assert "step 1/" not in captured.out
+
+
 # --- Checkpoints: saved on one split, resumed on another -----------------------------------------
 # 4 blocks, so that every world size from 1 to 4 holds some; 4 steps, a checkpoint after steps 2 and 4.
 RESUME = ["--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--seed", "3",
           "--steps", "4", "--save-every", "2"]
-UNINTERRUPTED = {}  # world size -> the folder of its uninterrupted run, made by the first test that needs it
+UNINTERRUPTED = {}  # (world size, flags) -> the folder of its uninterrupted run, made by the first test that needs it
 
 
-def uninterrupted(size, tmp_path_factory):
+def uninterrupted(size, tmp_path_factory, flags=()):
     """The folder of a run of all 4 steps on `size` ranks that was never stopped (checkpoints of
     steps 2 and 4): what a resumed run must equal, and where a resume takes step 2 from."""
-    if size not in UNINTERRUPTED:
+    if (size, flags) not in UNINTERRUPTED:
         folder = world().bcast(str(tmp_path_factory.mktemp(f"uninterrupted-{size}")), root=0)
         with sub_comm(size) as comm:
-            status = 0 if comm is None else mp.main(RESUME + ["--save", folder, "--no-check"], comm)
+            status = 0 if comm is None else mp.main(RESUME + list(flags) + ["--save", folder, "--no-check"], comm)
             assert agree(status == 0)
-        UNINTERRUPTED[size] = folder
-    return UNINTERRUPTED[size]
+        UNINTERRUPTED[size, flags] = folder
+    return UNINTERRUPTED[size, flags]
 
 
 def step_2_of(folder, tmp_path_factory):
@@ -276,6 +378,45 @@ def test_a_checkpoint_resumes_on_another_split_as_the_uninterrupted_run_there(sa
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_adamw_resumes_on_another_split_as_the_uninterrupted_run_there(plant, tmp_path_factory, capsys,
+                                                                       monkeypatch):
+    """The recipe's step 2 on 3 ranks resumed on 2: the checkpoint holds AdamW's moments as pieces
+    (exp_avg/<name>, exp_avg_sq/<name> of every parameter, whole) and its step count and the norms so
+    far in its state; steps 3 and 4 equal the uninterrupted run on 2 ranks (losses, norms, parameters,
+    moments within TOLERANCE; measured: equal bit for bit) and the resumed run's check passes (1.2e-7).
+    Planted: the resumed run's schedule one step behind (learning_rate(step - 1)); the check, whose
+    schedule is its own, FAILs (measured 3.0e-2)."""
+    flags = tuple(RECIPE)
+    source, whole = uninterrupted(3, tmp_path_factory, flags), uninterrupted(2, tmp_path_factory, flags)
+    folder = step_2_of(source, tmp_path_factory)
+    if plant:
+        learning_rate = mp.learning_rate
+        monkeypatch.setattr(mp, "learning_rate", lambda args, step: learning_rate(args, step - 1))
+    with sub_comm(2) as comm:
+        run, status = None, int(plant)  # exit status 1: the check failed
+        if comm is not None:
+            status = mp.main(RESUME + list(flags) + ["--save", folder, "--resume", "--json"], comm)
+            out = capsys.readouterr().out
+            run = comm.bcast(json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 else None, root=0)
+        assert agree(status == int(plant)), status
+        assert agree(run is None or (run["check_max_abs_diff"] > mp.TOLERANCE) == plant), run
+    ok = True
+    if world().Get_rank() == 0 and not plant:
+        (resumed, tensors), (reference, expected) = latest_checkpoint(folder), latest_checkpoint(whole)
+        names = [key for key in tensors if "/" not in key]  # the parameters (the stages' buffers are not saved)
+        ok = resumed["state"]["adam_step"] == reference["state"]["adam_step"] == 4
+        ok = ok and all(f"{kind}/{name}" in tensors for kind in ("exp_avg", "exp_avg_sq") for name in names)
+        ok = ok and not any(key.startswith("momentum/") for key in tensors) and tensors.keys() == expected.keys()
+        ok = ok and difference((resumed, tensors), (reference, expected)) <= mp.TOLERANCE
+        ok = ok and max(abs(a - b) for a, b in zip(resumed["state"]["grad_norms"], reference["state"]["grad_norms"],
+                                                    strict=True)) <= mp.TOLERANCE
+        step_2 = json.loads((Path(source) / "step-000002" / "manifest.json").read_text())["state"]
+        ok = ok and step_2["adam_step"] == 2 and len(step_2["grad_norms"]) == 2
+    assert agree(ok)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("flag, saved, given", [("--layers", 4, 5), ("--hidden", 16, 32)])
 def test_a_checkpoint_of_another_model_is_refused_with_one_line_naming_both(flag, saved, given, tmp_path_factory,
                                                                               capsys):
@@ -315,6 +456,8 @@ def test_launches_agree_across_world_sizes(tmp_path):
         assert sum(result["param_bytes"]) * 3 == result["single_process_bytes"]
         assert result["optimizer_state_bytes"] == result["grad_bytes"] == result["param_bytes"]  # SGD momentum
         assert result["comm_bytes_per_step"] == 2 * (np_ - 1) * 16 * 64 * 64 * 4
+        assert result["collectives_per_step"] == 1 and result["collective_bytes_per_step"] == 4  # the norm's
+        assert len(result["grad_norms"]) == 4 and printed_norms(out.stdout)[-1] == round(result["grad_norms"][-1], 4)
         assert result["overlap"] == {"sends_in_flight_during_compute": [0, 2 * (np_ - 1)]}
         assert len(result["peak_memory_bytes_per_rank"]) == np_ and "measured peak" in out.stdout
     base = runs[1, 4]["losses"]
