@@ -24,6 +24,7 @@ dense parameters (attention, embeddings, LayerNorms, routers), is whole on every
     the rank the row came from); an expert's weight gradients stay with the expert.
   after backward: dense gradients:  Allreduce over all N ranks, / N
                   expert gradients: Allreduce over the N/P ranks holding the same expert, / N
+                  the gradient norm: Allreduce of its squares over a group, each parameter once (--clip-grad)
 
 The router: softmax and top k in float32 (a stable sort: the lowest index wins a tie), the gates the
 chosen probabilities. A near-tie can fall otherwise in one process than in N, and one token sent
@@ -36,18 +37,12 @@ first in token order, the rest dropped (the residual carries the token on) and c
 
 Precision (--precision bf16): torch.autocast(bfloat16) around the forward and the loss, on the ranks
 and in --check's one process. The parameters stay float32 (master weights): autocast casts each to
-bf16 as a matmul uses it and autograd keeps that copy; gradients land in float32, momentum is float32.
+bf16 as a matmul uses it and autograd keeps that copy; gradients land in float32, the optimizer's state too.
 Float32 also: the residual stream (so the LayerNorms), the router (autocast off: bf16 logits flip
 choices), attention's softmax and the loss (.float(): on the CPU autocast leaves softmax in its
 input's dtype), the gated sum. MPI buffers: the Alltoallv rows bf16 (the expert's first matmul casts
 them anyway: cast first, the same bits in half the bytes), the counts int64, the gradient Allreduces
 float32 (see average_gradients). fp16 would need loss scaling: not offered.
-
-Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's
-inputs by save_for_backward (where the saved-tensor hooks that measure activations see them, unlike
-the non-reentrant form), runs fn without autograd, and in backward reruns it in the forward's autocast
-state. full: each block from its input; its exchanges (router Allreduce, counts Alltoall, dispatch,
-combine) run again in backward. selective: attention's core (scores, mask, softmax, x V) from q, k, v.
 
 Communication per step, L blocks, n = (B/N) T tokens a rank, hidden h, d pairs dropped a rank, p = 2
 bytes in bf16 else 4, r = 6 with --recompute full (the forward's two again) else 4; mean per rank:
@@ -55,6 +50,7 @@ bytes in bf16 else 4, r = 6 with --recompute full (the forward's two again) else
   Alltoall of the counts, Allreduce of the router's counts: L E 8 bytes each (twice with full)
   Allreduce of the dense gradients (D parameters): 4 D bytes over N ranks; of the expert gradients
     (X parameters an expert): 4 (E/P) L X bytes over N/P ranks. A rank holds (E/P) L X + D parameters.
+  Allreduce of the gradient norm's sum of squares: 4 bytes over P ranks (with --clip-grad; else a report)
 Activations (saved for backward in one forward, each storage once, weights and their bf16 copies
 aside), mean per rank; b = B/N, s = T, a heads, m = k n - d rows a rank's experts get on average,
 float32 parts 4 bytes whatever p, indices 8:
@@ -68,11 +64,6 @@ When to choose it: the parameters are mostly experts, too many to replicate on e
 ranks of a group have all-to-all bandwidth (NVLink, or a fabric built for it): every MoE layer waits
 for two exchanges forward and two backward, each touching every rank of the group. --ep 1 is data
 parallelism with every expert on every rank (the baseline for --ep P).
-
-Checkpoints (--save, --resume) hold the whole model's tensors, by its names and whole: rank 0 writes the
-dense parameters, rank j < P (the first group) its experts j E/P to (j+1) E/P - 1 (their replicas write
-nothing: every element once), each with SGD's momentum. A resume on any N and --ep: every rank asks for
-the dense parameters and the experts it holds now, and reads expert e from whichever file holds it.
 
 The text: the standard library's argparse.py, textwrap.py and shlex.py, bytes >= 128 as '?'.
 Run:  mpirun -np 4 python expert_parallel.py            (add --help for the flags)
@@ -114,6 +105,7 @@ STRATEGY = "expert_parallel"
 # Largest |difference| allowed against single-process training. Measured in float32: the default model over 50 steps
 # 9.5e-7, 7.2e-7, 8.0e-7 (--ep 1), 4.8e-7 at N = 1 to 4, the tests' small one 7.2e-7 (a wrong divisor: 2e-2 in 3 steps);
 # in bf16: 1.9e-3 at N = 4 (its own top 2 differed at 145 token-layers, by 9.7e-5), the tests' 4.0e-4 at most, N <= 4.
+# AdamW amplifies rounding (m/sqrt(v)): --lr 1e-3 6.3e-7 in 50 steps; --lr 1e-2 past it from step 30, N = 1 too: 1.3e-3
 TOLERANCE = 2e-5
 TOLERANCE_BF16 = 5e-3
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
@@ -244,6 +236,20 @@ def average_gradients(model, comm, replica_comm):
             p.grad.copy_(grad.view_as(p))
 
 
+def global_grad_norm(model, ep_comm):
+    """After average_gradients: the whole model's gradient norm, each parameter counted once. A group's P
+    ranks hold the model once (the dense part whole on each, each expert on one): its rank 0 adds the dense
+    squares, each rank its experts', one Allreduce over ep_comm sums them. Over all N ranks the dense part
+    would count N times, an expert N/P (its replicas hold equal gradients after the average). Every group
+    sums the same float32 numbers in the same order: every rank gets the same norm."""
+    experts = expert_parameters(model)
+    dense = [p for p in model.parameters() if all(p is not e for e in experts)] if ep_comm.Get_rank() == 0 else []
+    squares = torch.stack([p.grad.square().sum() for p in dense + experts]).sum().reshape(1)
+    buffer = mpi_buffer(squares)
+    ep_comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+    return from_mpi(squares, buffer).sqrt()[0]
+
+
 def expert_groups(comm, ep):
     """Two splits of comm: the ep consecutive ranks that share the experts out (the tokens'
     exchange), and the N/ep ranks, one in each group, that hold the same experts (their gradients)."""
@@ -262,9 +268,9 @@ def expert_parallel(model, ep_comm, stats_comm):
     return model
 
 
-def train_step(model, optimizer, x, y, comm, replica_comm, timeline, meter, bf16):
-    """One step on this rank's slice of the batch (in bf16: autocast, see the docstring), the
-    forward measured by meter. Returns this rank's loss."""
+def train_step(model, optimizer, x, y, comm, replica_comm, norm_comm, lr, max_norm, timeline, meter, bf16):
+    """One step on this rank's slice of the batch (in bf16: autocast, see the docstring), the forward measured
+    by meter, the gradients clipped to max_norm (0: not), at lr. Returns this rank's loss and the norm."""
     optimizer.zero_grad(set_to_none=False)
     with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
         loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + sum(m.aux for m in moe_layers(model))
@@ -272,8 +278,14 @@ def train_step(model, optimizer, x, y, comm, replica_comm, timeline, meter, bf16
         loss.backward()
     average_gradients(model, comm, replica_comm)
     with timeline.span("compute", "optimizer"):
+        norm = global_grad_norm(model, norm_comm)
+        scale = max_norm / (norm + 1e-6) if max_norm else 1.0  # torch.nn.utils.clip_grad_norm_'s, in float32
+        for p in model.parameters() if scale < 1 else []:
+            p.grad.mul_(scale)  # the same scale on every rank: the same norm
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.step()
-    return loss.item()
+    return loss.item(), norm.item()
 
 
 # -----------------------------------------------------------------------------
@@ -379,7 +391,12 @@ def attend(qkv, heads, selective):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm decoder block whose MLP is a mixture of experts."""
+    """Pre-LayerNorm decoder block whose MLP is a mixture of experts. Recomputation (--recompute):
+    torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by save_for_backward (where
+    the saved-tensor hooks that measure activations see them, unlike the non-reentrant form), runs fn
+    without autograd, and in backward reruns it in the forward's autocast state. full: each block from its
+    input; its exchanges (router Allreduce, counts Alltoall, dispatch, combine) run again in backward.
+    selective: attention's core (scores, mask, softmax, x V) from q, k, v."""
 
     def __init__(self, args):
         super().__init__()
@@ -441,12 +458,15 @@ def expert_parameters(model):
     return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
 
 
-def sgd(model, lr):
-    """SGD with momentum, every gradient there from the start: an expert that got no token in a
-    step still takes its momentum step, on the ranks and in the reference alike."""
+def make_optimizer(model, args):
+    """SGD with momentum 0.9, or AdamW (betas 0.9 0.95, weight decay 0.1 on every parameter, float32
+    moments); every gradient there from the start: an expert that got no token in a step still takes
+    its step, on the ranks and in the reference alike."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
 def expert_parallel_model(args, ep_comm, stats_comm, device):
@@ -456,7 +476,7 @@ def expert_parallel_model(args, ep_comm, stats_comm, device):
     for block in model.blocks:  # --check: every step's choices written down, for one process to follow
         block.recompute, block.moe.written = args.recompute, [] if args.check else None
         block.register_forward_hook(tally)
-    return model, sgd(model, args.lr)
+    return model, make_optimizer(model, args)
 
 
 def checksums(model):
@@ -493,26 +513,37 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, device, model, optimizer, counted, timeline, meter, past=(), world_sizes=()):
-    """The steps after the `past` ones (their global losses and world sizes, from a checkpoint), each
-    forward's saved activations measured by meter. Returns this rank's losses of the new steps and their timings."""
+def learning_rate(args, step):
+    """The learning rate of step (from 0): linear warm-up over --warmup-steps W, then constant, or a
+    cosine from lr down towards lr / 10 at --steps. A function of the step alone: a resume continues it."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    done = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)  # the cosine's way, 0 to 1
+    cosine = args.lr / 10 + 0.5 * (args.lr - args.lr / 10) * (1 + math.cos(math.pi * done))
+    return args.lr if args.lr_schedule == "constant" else cosine
+
+
+def train(args, comm, device, model, optimizer, counted, timeline, meter, past=(), world_sizes=(), past_norms=()):
+    """The steps after the `past` ones (their global losses, world sizes and norms, from a checkpoint), each
+    forward's saved activations measured by meter. Returns this rank's losses of the new steps, norms, timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
     per = args.batch_size // world_size
-    losses, records = [], []
+    norm_comm = counted["norm"] if args.clip_grad else counted["norm"].comm  # no clip: a report, not counted
+    losses, norms, records = [], [], []
     for step in range(len(past), args.steps):
         start = time.perf_counter()
         batch = make_batch(args.seed, step, args.batch_size, args.seq_len)
         x, y = (t[rank * per:(rank + 1) * per].to(device, copy=True) for t in batch)  # a view would keep the batch
-        losses.append(train_step(model, optimizer, x, y, counted["dense"], counted["experts"], timeline, meter,
-                                 args.precision == "bf16"))
-        records.append(timeline.step_record(start))
+        loss, norm = train_step(model, optimizer, x, y, counted["dense"], counted["experts"], norm_comm,
+                                learning_rate(args, step), args.clip_grad, timeline, meter, args.precision == "bf16")
+        losses.append(loss), norms.append(norm), records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
-            print_progress(comm, args, step, mean_loss, records[-1])
+            print_progress(comm, args, step, mean_loss, records[-1], norm)
         checkpoint_if_due(comm, args, step, lambda: expert_parallel_shard(
             comm, args, model, optimizer, list(past) + global_losses(comm, losses),
-            list(world_sizes) + [world_size] * len(losses)), model_config(args))
-    return losses, records
+            list(world_sizes) + [world_size] * len(losses), list(past_norms) + norms), model_config(args))
+    return losses, norms, records
 
 
 def global_losses(comm, losses):
@@ -530,30 +561,32 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         run = setup(comm, args)
         ep_comm, replica_comm = expert_groups(comm, args.ep)
         counted = {"all-to-all": CountedComm(ep_comm, run.timeline), "router": CountedComm(comm, run.timeline),
-                   "dense": CountedComm(comm, run.timeline), "experts": CountedComm(replica_comm, run.timeline)}
+                   "dense": CountedComm(comm, run.timeline), "experts": CountedComm(replica_comm, run.timeline),
+                   "norm": CountedComm(ep_comm, run.timeline)}
         model, optimizer = expert_parallel_model(args, counted["all-to-all"], counted["router"], run.device)
-        past, world_sizes, resumed = [], [], None
+        past, world_sizes, past_norms, resumed = [], [], [], None
         if args.resume:  # this rank's blocks on this grid, whatever grid wrote them
-            resumed, blocks = load_checkpoint(comm, args.save, model_config(args), held_here(model), args.steps)
+            resumed, blocks = load_checkpoint(comm, args.save, model_config(args), held_here(model, args), args.steps)
             if blocks is not None:
-                past, world_sizes = restore(model, optimizer, resumed, blocks)
+                past, world_sizes, past_norms = restore(model, optimizer, resumed, blocks)
         print_header(comm, args, run, model, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
-        losses, records = train(args, comm, run.device, model, optimizer, counted, run.timeline,
-                                activations := SavedActivations(), past, world_sizes)
+        losses, norms, records = train(args, comm, run.device, model, optimizer, counted, run.timeline,
+                                       activations := SavedActivations(), past, world_sizes, past_norms)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
-    losses = past + global_losses(comm, losses)
+    losses, norms = past + global_losses(comm, losses), past_norms + norms
     dense, experts = checksums(model)
     if len(set(comm.allgather(dense))) != 1 or len(set(replica_comm.allgather(experts))) != 1:
         raise RuntimeError("replicas diverged: the dense parameters, or the copies of an expert, differ")
     world_sizes += [comm.Get_size()] * (args.steps - len(world_sizes))
-    diff, reference = check(comm, args, losses, model, world_sizes) if args.check else (None, None)
+    diff, reference = check(comm, args, losses, norms, model, world_sizes) if args.check else (None, None)
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, model, losses, records, counted, diff, reference, sum(activations.storages.values()))
+    return report(comm, args, run, model, losses, norms, records, counted, diff, reference,
+                  sum(activations.storages.values()))
 
 
 # =============================================================================
@@ -564,24 +597,25 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # =============================================================================
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
-# What the reference shares with the ranks: build_model (the GPT, its attention and Expert MLPs,
-# the weights from the seed), make_batch and sgd. Harmless: the ranks hold these whole or as copies
-# of the same modules, with no exchange in them. The mixture itself (routing, capacity, the
-# load-balancing loss, the combine) it writes apart in reference_moe, so that a bug on either side shows:
-# its own top k by argmax, capacity counted pair by pair, every expert run on every token and
-# weighted by a matrix of gates, the load-balancing loss from its definition. It takes the ranks'
-# choices rather than its own, and keeps by how much its own probabilities preferred others (0 when
-# they agree): a near-tie may fall the other way after float32 rounding, and one flipped token would
-# move the run by far more than rounding; the check counts that preference against its tolerance,
-# so a routing error still fails it.
+# What the reference shares with the ranks: build_model (the GPT, its attention and Expert MLPs, the
+# weights from the seed), make_batch and make_optimizer (torch's SGD or AdamW). Harmless: the ranks hold
+# these whole or as copies of the same modules, with no exchange in them. The mixture itself (routing,
+# capacity, the load-balancing loss, the combine) it writes apart in reference_moe, so that a bug on
+# either side shows: its own top k by argmax, capacity counted pair by pair, every expert run on every
+# token and weighted by a matrix of gates, the load-balancing loss from its definition. It takes the
+# ranks' choices rather than its own, and keeps by how much its own probabilities preferred others (0
+# when they agree): a near-tie may fall the other way after float32 rounding, and one flipped token would
+# move the run by far more than rounding; the check counts that preference against its tolerance, so a
+# routing error still fails it. The recipe's schedule it writes apart too, and it clips with torch's
+# clip_grad_norm_, whose return value is its norm (the check compares the norms).
 def reference_training(args, world_sizes, choices=None):
     """The same steps in one process holding every expert; world_sizes: the ranks of each step (a capacity
-    is per rank's tokens); choices: each block's ranks' choices by step, which it follows."""
+    is per rank's tokens); choices: each block's ranks' choices by step, which it follows. Returns losses, norms, model."""
     model = build_model(args)
     for moe, followed in zip(moe_layers(model), choices or [None] * args.layers):
         moe.followed, moe.differed, moe.disagreement = iter(followed or []), 0, 0.0
         moe.forward = lambda x, moe=moe: reference_moe(moe, x, moe.slices)
-    optimizer, losses = sgd(model, args.lr), []
+    optimizer, losses, norms, W = make_optimizer(model, args), [], [], args.warmup_steps
     for step in range(args.steps):
         for moe in moe_layers(model):
             moe.slices = world_sizes[step]
@@ -590,9 +624,12 @@ def reference_training(args, world_sizes, choices=None):
         with torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16"):  # as the ranks
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + sum(m.aux for m in moe_layers(model))
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
+        cosine = args.lr * (0.55 + 0.45 * math.cos(math.pi * max(0, step - W) / max(1, args.steps - W)))  # lr/10 up to lr
+        optimizer.param_groups[0]["lr"] = (cosine if args.lr_schedule == "cosine" else args.lr) * min(1, (step + 1) / max(1, W))
         optimizer.step()
         losses.append(loss.item())
-    return losses, model
+    return losses, norms, model
 
 def gather_model(model, comm):
     """{name: tensor} of the whole model on rank 0's CPU, None elsewhere: the dense parameters are
@@ -646,16 +683,17 @@ def gather_choices(model, comm, steps):
     return None if every is None else [[None] * (steps - every.size(2)) + list(every[:, block].transpose(0, 1).flatten(1, 2))
                                        for block in range(every.size(1))]
 
-def check(comm, args, losses, model, world_sizes=None):
+def check(comm, args, losses, norms, model, world_sizes=None):
     """Rank 0 gathers the model and the choices and trains the reference on its CPU (world_sizes: the
     ranks of each step, before a resume too); the others wait without spinning. All get the largest
-    difference (losses, parameters, routing) and its counts."""
+    difference (losses, gradient norms, parameters, routing) and its counts, the norms' difference last."""
     full, choices, diff, counts = gather_model(model, comm), gather_choices(model, comm, args.steps), None, None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model = reference_training(args, world_sizes or [comm.Get_size()] * args.steps, choices)
-        moes = moe_layers(ref_model)
-        diff = max(max_difference(losses, full, ref_losses, ref_model), *(m.disagreement for m in moes))
-        counts = (int(sum(m.dropped for m in moes)), sum(m.differed for m in moes), max(m.disagreement for m in moes))
+        ref_losses, ref_norms, ref_model = reference_training(args, world_sizes or [comm.Get_size()] * args.steps, choices)
+        moes, norm_diff = moe_layers(ref_model), max_difference(norms, {}, ref_norms, ref_model)
+        diff = max(max_difference(losses, full, ref_losses, ref_model), norm_diff, *(m.disagreement for m in moes))
+        counts = (int(sum(m.dropped for m in moes)), sum(m.differed for m in moes), max(m.disagreement for m in moes),
+                  norm_diff)
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(POLL_S)
@@ -692,11 +730,13 @@ def print_header(comm, args, run, model, resumed):
            f"group: j x {E // P} to j x {E // P} + {E // P - 1}), each expert on {N // P} rank(s)",
            f"batch {B} x {T} characters, {B // N} sequences per rank | " + ("dropless" if C is None else f"capacity factor {C:g}: "
            f"at most {expert_capacity(C, args.top_k, B // N * T, E)} pairs per expert from each rank")
+           + f" | {args.optimizer}, lr {args.lr:g} {args.lr_schedule} after {args.warmup_steps} warm-up step(s), gradient norm "
+           + (f"clipped to {args.clip_grad:g}" if args.clip_grad else "not clipped")
            + f" | load-balancing coefficient {args.aux_loss_coef:g} | text: {' + '.join(s + '.py' for s in SOURCES)} of Python "
            f"{sys.version.split()[0]} ({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes")
 
-def report(comm, args, run, model, losses, records, counted, diff, reference, activations):
-    """The summary (bytes beside their formulas, memory, load, drops, the router's gap); finish() the rest."""
+def report(comm, args, run, model, losses, norms, records, counted, diff, reference, activations):
+    """The summary (bytes beside their formulas, memory, load, drops, the router's gap, the norms); finish() the rest."""
     world_size, P, E, k, L, h, B, T = comm.Get_size(), args.ep, args.experts, args.top_k, args.layers, args.hidden, args.batch_size, args.seq_len
     full, p, steps_run, moes = args.recompute == "full", 2 if args.precision == "bf16" else 4, max(1, len(records)), moe_layers(model)
     experts, one, n = expert_parameters(model), sum(p.numel() for p in next(iter(moes[0].experts.values())).parameters()), B // world_size * T
@@ -704,12 +744,12 @@ def report(comm, args, run, model, losses, records, counted, diff, reference, ac
     dropped = comm.allreduce(int(sum(m.dropped for m in moes)))  # pairs, all ranks, all layers and steps
     gap, calls = comm.allreduce(float(min(m.min_gap for m in moes)), op=MPI.MIN), sum(sum(c.calls.values()) for c in counted.values()) / steps_run
     mine = {"Alltoallv": counted["all-to-all"].bytes["Alltoallv"], "Alltoall": counted["all-to-all"].bytes["Alltoall"],
-            **{kind: sum(counted[kind].bytes.values()) for kind in ("router", "dense", "experts")}}
+            **{kind: sum(counted[kind].bytes.values()) for kind in ("router", "dense", "experts", "norm")}}
     every = comm.allgather({kind: b / steps_run for kind, b in mine.items()})
     measured, per_rank = {kind: sum(r[kind] for r in every) / world_size for kind in mine}, [sum(r.values()) for r in every]
-    r, twice = 6 if full else 4, 1 + full  # full: the forward's exchanges again in backward
+    r, twice, clip = 6 if full else 4, 1 + full, int(args.clip_grad > 0)  # full: the forward's exchanges again in backward
     formula = {"Alltoallv": r * (L * k * n - dropped / (world_size * steps_run)) * h * p, "Alltoall": twice * L * E * 8,
-               "router": twice * L * E * 8, "dense": 4 * dense, "experts": 4 * (E // P) * L * one}
+               "router": twice * L * E * 8, "dense": 4 * dense, "experts": 4 * (E // P) * L * one, "norm": 4 * clip}
     saved, kept = comm.allgather(activations), comm.allreduce(sum(int(m.keep.sum()) for m in moes)) / world_size
     held, b, s, a = comm.allgather(sum(p.numel() * p.element_size() for p in experts)), B // world_size, T, args.heads
     block = 12 * n * h + 16 * n + 5 * p * n * h + 16 * n * E + 4 * E + p * k * n * h  # the docstring's; and 32 + 9 p h per pair kept
@@ -724,9 +764,12 @@ def report(comm, args, run, model, losses, records, counted, diff, reference, ac
              f"  Alltoallv {measured['Alltoallv']:,.0f} = {r} L (k n - dropped) h x {p} = {formula['Alltoallv']:,.0f} | Alltoall of counts "
              f"{measured['Alltoall']:,.0f} = {twice} L E 8 = {formula['Alltoall']:,} | router counts {measured['router']:,.0f} = {twice} L E 8 "
              f"= {formula['router']:,} | dense gradients {measured['dense']:,.0f} = 4 D = {formula['dense']:,} | expert gradients "
-             f"{measured['experts']:,.0f} = 4 (E/P) L X = {formula['experts']:,}",
-             f"collectives per step and rank: {calls:g} (formula {r + 2 * twice}L + 2 = {(r + 2 * twice) * L + 2}: per block {r} Alltoallv, "
-             f"{twice} Alltoall, {twice} Allreduce; 2 gradient Allreduces)",
+             f"{measured['experts']:,.0f} = 4 (E/P) L X = {formula['experts']:,} | gradient norm {measured['norm']:,.0f} = "
+             f"{formula['norm']} (4 with --clip-grad; without, it is only reported, not counted)",
+             f"collectives per step and rank: {calls:g} (formula {r + 2 * twice}L + {2 + clip} = {(r + 2 * twice) * L + 2 + clip}: per "
+             f"block {r} Alltoallv, {twice} Alltoall, {twice} Allreduce; 2 gradient Allreduces" + ", 1 of the norm" * clip + ")",
+             f"gradient norm, each parameter once: first step {norms[0]:.4f}, last {norms[-1]:.4f}, largest {max(norms):.4f}"
+             + f"; clipped to {args.clip_grad:g} at {sum(x > args.clip_grad for x in norms)} of {len(norms)} steps" * clip,
              f"activations saved for backward, last step, --recompute {args.recompute}: {' | '.join(f'{a / 1e6:.3f}' for a in saved)} MB "
              f"a rank; mean {statistics.mean(saved):,.0f} bytes, formula {saved_formula:,.0f}",
              f"expert parameters per rank: {min(held):,} to {max(held):,} bytes; formula (E/P) L X x 4 = {E // P * L * one * 4:,} "
@@ -740,15 +783,18 @@ def report(comm, args, run, model, losses, records, counted, diff, reference, ac
              f"smallest gap between a token's k-th and (k+1)-th router probability: {gap:.2e} (float32 rounding, about 1e-7, flips a smaller one)"]
     if reference is not None:
         lines.append(f"the single process followed the ranks' choices; its own top-{k} differed at {reference[1]:,} token(s), by "
-                     f"{reference[2]:.1e} at most in probability (the check counts it: near-ties only)")
-    return finish(comm, args, run, losses, records, diff, "losses, parameters, routing", lines, {
+                     f"{reference[2]:.1e} at most in probability (the check counts it: near-ties only); its gradient norms "
+                     f"differ by {reference[3]:.1e} at most")
+    return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters, routing", lines, {
         "experts": E, "top_k": k, "ep": P, "capacity_factor": args.capacity_factor, "aux_loss_coef": args.aux_loss_coef, "comm_bytes_per_step":
         sum(measured.values()), "comm_bytes_formula": sum(formula.values()), "comm_bytes_per_rank": per_rank, "comm_bytes_by_kind": measured,
-        "comm_bytes_formula_by_kind": formula, "collectives_per_step": calls, "collectives_formula": (r + 2 * twice) * L + 2,
+        "comm_bytes_formula_by_kind": formula, "collectives_per_step": calls, "collectives_formula": (r + 2 * twice) * L + 2 + clip,
         "activation_bytes_per_rank": saved, "activation_bytes_formula": saved_formula, "expert_param_bytes_per_rank": held,
         "expert_param_bytes_formula": E // P * L * one * 4, "tokens_per_expert": load, "tokens_per_expert_first_step": first,
         "busiest_expert_share": busiest, "tokens_dropped": dropped, "min_topk_gap": gap, "overlap": {},  # blocking: no overlap
-        **dict(zip(("tokens_dropped_reference", "choices_differing_in_reference", "reference_preference"), reference or [None] * 3))})
+        "grad_norms": norms, **{key: vars(args)[key] for key in ("optimizer", "clip_grad", "lr_schedule", "warmup_steps")},
+        **dict(zip(("tokens_dropped_reference", "choices_differing_in_reference", "reference_preference",
+                    "grad_norm_max_abs_diff"), reference or [None] * 4))})
 
 def parse_args(argv, world_size):
     p = common_arguments("Expert parallelism over MPI: a mixture-of-experts GPT on Python's own source.",
@@ -761,7 +807,16 @@ def parse_args(argv, world_size):
     p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(C k n / E) pairs per expert from each rank's n tokens (default: dropless)")
     p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01,
                    help="alpha of the load-balancing loss")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="SGD (momentum 0.9) or AdamW (betas "
+                   "0.9 0.95, eps 1e-8, weight decay 0.1 on every parameter)")
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.0,
+                   metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ does (0: off)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after the warm-up: --lr, or a cosine down towards --lr / 10 at --steps")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s (from 0) at lr (s + 1) / W")
     args = check_common(p.parse_args(argv))
+    if args.warmup_steps >= args.steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves no step of --steps {args.steps}; use fewer")
     if args.hidden % args.heads:
         raise ConfigError(f"--hidden {args.hidden} does not split into {args.heads} heads of equal size; use a multiple of "
                           f"{args.heads}, e.g. {16 * args.heads}")
@@ -784,30 +839,44 @@ def model_config(args):
     """The model a checkpoint holds, never the grid (the world size, --ep): it resumes on any."""
     return {"model": "GPT-MoE", "vocab": VOCAB, **{key: vars(args)[key] for key in ("layers", "hidden", "heads", "seq_len", "experts")}}
 
-def expert_parallel_shard(comm, args, model, optimizer, losses, world_sizes):
-    """What this rank writes, by the whole model's names, each tensor whole with SGD's momentum: rank 0
-    the dense parameters, the first group's ranks (rank < --ep) their experts; the other groups, replicas,
-    nothing. Rank 0's state: the losses so far, the world size of each step, the --ep that wrote it."""
+# Checkpoints (--save, --resume) hold the whole model's tensors, by its names and whole: rank 0 writes the
+# dense parameters, rank j < P (the first group) its experts j E/P to (j+1) E/P - 1 (their replicas write
+# nothing: every element once), each with its optimizer's state (SGD's momentum, AdamW's exp_avg and
+# exp_avg_sq, as torch names them; AdamW's step count in the state). A resume on any N and --ep: every rank
+# asks for the dense parameters and the experts it holds now, and reads expert e from whichever file holds it.
+OPTIMIZER_STATE = {"sgd": {"momentum": "momentum_buffer"}, "adamw": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
+
+def expert_parallel_shard(comm, args, model, optimizer, losses, world_sizes, norms):
+    """What this rank writes, by the whole model's names, each tensor whole with its optimizer's state: rank 0
+    the dense parameters, the first group's ranks (rank < --ep) their experts; the other groups, replicas, nothing.
+    Rank 0's state: the losses, norms and world size of each step so far, the --ep, the optimizer, AdamW's step."""
     rank, experts = comm.Get_rank(), {id(p) for p in expert_parameters(model)}
     pieces = {}
     for name, p in model.named_parameters():
         if (rank < args.ep) if id(p) in experts else (rank == 0):
-            pieces[name], pieces[f"momentum/{name}"] = piece(p), piece(optimizer.state[p]["momentum_buffer"])
-    return pieces, {"losses": list(losses), "world_sizes": list(world_sizes), "ep": args.ep} if rank == 0 else None
+            pieces.update({name: piece(p), **{f"{kind}/{name}": piece(optimizer.state[p][key])
+                                              for kind, key in OPTIMIZER_STATE[args.optimizer].items()}})
+    steps = {int(state["step"]) for state in optimizer.state.values() if "step" in state}  # AdamW's, one for all
+    return pieces, {"losses": list(losses), "world_sizes": list(world_sizes), "grad_norms": list(norms), "ep": args.ep,
+                    "optimizer": args.optimizer, **({"adamw_step": steps.pop()} if steps else {})} if rank == 0 else None
 
-def held_here(model):
-    """wanted() for load_checkpoint: the tensors this rank holds on this grid (the dense ones and its
-    experts, named as in the whole model), whole, and their momentum; whichever grid wrote them."""
-    return lambda manifest: {key: region(p.shape) for name, p in model.named_parameters()
-                             for key in (name, f"momentum/{name}")}
+def held_here(model, args):
+    """load_checkpoint's wanted(): this rank's tensors by the whole model's names, whole, and their optimizer state."""
+    def wanted(manifest):
+        if (saved := manifest["state"].get("optimizer", "sgd")) != args.optimizer:  # every rank alike: one manifest
+            raise ConfigError(f"{args.save} holds --optimizer {saved}'s state; resume with --optimizer {saved}")
+        return {key: region(p.shape) for name, p in model.named_parameters()
+                for key in (name, *(f"{kind}/{name}" for kind in OPTIMIZER_STATE[args.optimizer]))}
+    return wanted
 
 def restore(model, optimizer, manifest, blocks):
-    """This rank's dense parameters, experts and momentum from the blocks it asked for; returns the
-    losses so far and the world size of each of those steps."""
+    """This rank's parameters and optimizer's state from its blocks; returns the losses, world sizes, norms so far."""
     model.load_state_dict({name: blocks[name] for name in model.state_dict()})
+    state, step = manifest["state"], manifest["state"].get("adamw_step")  # AdamW's step: a float32 CPU tensor
     for name, p in model.named_parameters():
-        optimizer.state[p]["momentum_buffer"] = blocks[f"momentum/{name}"].to(p.device)
-    return manifest["state"]["losses"], manifest["state"]["world_sizes"]
+        optimizer.state[p].update({key: blocks[f"{kind}/{name}"].to(p.device) for kind, key in OPTIMIZER_STATE[
+            state["optimizer"]].items()}, **({} if step is None else {"step": torch.tensor(float(step))}))
+    return state["losses"], state["world_sizes"], state["grad_norms"]
 
 # --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
 def max_difference(losses, state, ref_losses, ref_model):
@@ -819,9 +888,10 @@ def max_difference(losses, state, ref_losses, ref_model):
     return math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
 
 # --- Report: progress, the summary and --json, --trace -----------------------
-def print_progress(comm, args, step, loss, record):
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | {record['step_s'] * 1e3:.1f} ms/step | "
-                 f"comm {record['comm_s'] * 1e3:.1f} ms | idle {100 * record['idle_s'] / record['step_s']:.0f}%")
+def print_progress(comm, args, step, loss, record, norm=None):
+    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | " + (f"norm {norm:.4f} | " if norm is not None else "")
+           + f"{record['step_s'] * 1e3:.1f} ms/step | comm {record['comm_s'] * 1e3:.1f} ms | "
+             f"idle {100 * record['idle_s'] / record['step_s']:.0f}%")
 
 def finish(comm, args, run, losses, records, diff, compared, lines, keys):
     """The summary: the file's own `lines`, the split of a step (medians over the steps after the
@@ -911,14 +981,12 @@ def fsync_folder(path):  # the names a folder holds, made durable as its files' 
     os.close(fd)
 
 def save_checkpoint(comm, root, step, shard, config, keep=2):
-    """Each rank's shard, (pieces, state) from make_shard, goes into root/.tmp-step-N: pieces maps a
-    name to (tensor, the whole's shape, where the tensor starts in it), see piece(); state (small,
-    JSON) is kept from the first rank that gives one. Rank 0 then writes the manifest, the index of
-    which file holds which region of which tensor, and renames the folder to step-N (files and
-    folder fsynced before, the parent after): a job killed before the rename leaves the previous
-    checkpoint as it was. A region that an earlier file holds already (a replicated parameter) is
-    left out of the index. A write that fails on any rank (a full disk) ends the job on every rank
-    with one line, the previous checkpoint whole."""
+    """Each rank's shard, (pieces, state): pieces {key: piece(...)}, state a small JSON dict (the
+    first rank's that gives one is kept), goes into root/.tmp-step-N. Rank 0 writes the manifest, the
+    index of which file holds which block of which tensor (a block an earlier file holds, replicated,
+    left out), and renames the folder to step-N, fsynced before and the parent after: a job killed
+    before the rename leaves the previous checkpoint as it was. A write that fails on any rank (a
+    full disk) ends the job on every rank with one line, the previous checkpoint whole."""
     final, tmp = os.path.join(root, f"step-{step:06d}"), os.path.join(root, f".tmp-step-{step:06d}")
     pieces, state = shard
     files, error = {}, None
@@ -968,8 +1036,8 @@ def save_checkpoint(comm, root, step, shard, config, keep=2):
                           f"one ({previous}) is whole: make room and rerun with --resume", status=1)
 
 def piece(tensor, shape=None, offset=None):
-    """A tensor as a checkpoint holds it: a CPU copy (a view would save its whole storage), the
-    shape of the whole it is a block of, and the index where it starts in each dimension."""
+    """A tensor as a checkpoint holds it: a CPU copy (not a view of a larger storage), the shape of
+    the whole it is a block of, and where it starts in each dimension."""
     copy = tensor.detach().cpu().clone()
     return copy, list(shape or copy.shape), list(offset or [0] * copy.dim())
 
@@ -1038,11 +1106,10 @@ def assemble(manifest, wanted, tensors):
 
 def load_checkpoint(comm, root, config, wanted, steps):
     """The newest checkpoint whose every file that some rank needs is whole: its manifest and the
-    blocks this rank asked for, wanted(manifest) = {key: region(...)}, each cut from the pieces
-    that overlap it, whatever the grid that wrote them; (None, None) when root holds none yet (a
-    batch job's first run). Every rank's blocks come from that one checkpoint: a damaged file
-    makes all ranks fall back together to the one before, and rank 0 says which and why. One that
-    does not fit this run (another strategy, model or tensor shape) is a ConfigError on every rank."""
+    blocks this rank asks for, wanted(manifest) = {key: region(...)}, cut from the pieces that overlap
+    them whatever the grid that wrote them; (None, None) when root holds none yet (a first run). All
+    ranks take theirs from that one checkpoint: a damaged file makes every rank fall back to the one
+    before, and rank 0 says why. One that does not fit this run is a ConfigError on every rank."""
     found, damaged = comm.bcast(checkpoints(root) if comm.Get_rank() == 0 else None, root=0), []
     if not found:
         print0(comm, f"--resume: no checkpoint in {root} yet: starting from step 0")
@@ -1235,18 +1302,23 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_CO
                         "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID", "SLURM_LOCALID")
 # How many ranks the launcher started: PMI (MPICH, srun --mpi=pmi2), Open MPI, MVAPICH; last, srun's
 # count of a step whose ranks it started itself (srun --mpi=pmix sets no size of PMIx's own).
-WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE", "SLURM_STEP_NUM_TASKS")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PALS_RANKID", "FLUX_TASK_RANK", "SLURM_PROCID")
 
 def launcher_local_rank():
     """This rank's index on its node, as the launcher tells it."""
     return next((int(os.environ[v]) for v in LOCAL_RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
 
 def check_one_job(world_size):
-    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused."""
+    """N one-rank jobs, each training alone, when mpi4py's MPI is not the launcher's: refused before
+    anything is written, in one line from the launcher's rank 0 alone (each job's rank 0 would say it)."""
     told = next((v for v in WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), None)
     if told and int(os.environ[told]) > 1 and world_size == 1:
-        raise ConfigError(f"the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would train "
-                          f"alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or rebuild mpi4py")
+        if next((os.environ[v] for v in RANK_VARIABLES if os.environ.get(v, "").isdigit()), "0") == "0":
+            print(f"error: the launcher started {os.environ[told]} ranks ({told}), MPI sees a world of 1: each would "
+                  f"train alone; mpi4py's MPI ({mpi_library()}) is likely not the launcher's: use its mpirun, or "
+                  f"rebuild mpi4py", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 def node_cores(node):
     """The cores the ranks of this node may run on, together (their affinity, e.g. a Slurm cgroup)."""
@@ -1273,7 +1345,6 @@ def setup(comm, args):
     """This rank's device, whether MPI reads its memory, the timeline, the memory meter, and the
     header's facts."""
     global CUDA_AWARE, SLEEP_WHILE_WAITING
-    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this machine
     local_rank, local_size = node.Get_rank(), node.Get_size()
     launcher = launcher_local_rank()
@@ -1287,7 +1358,7 @@ def setup(comm, args):
         device = torch.device("cuda", (local_rank if launcher is None else launcher) % gpus)
         torch.cuda.set_device(device)
         check_thread_level(MPI.Query_thread())
-        CUDA_AWARE = mpi_cuda_aware(comm)
+        CUDA_AWARE, decided = mpi_cuda_aware(comm)
         if args.check:  # float32 against float32: no TF32, deterministic kernels, in the run and the reference
             try:
                 torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "ieee"
@@ -1296,7 +1367,7 @@ def setup(comm, args):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic = True
             torch.use_deterministic_algorithms(True, warn_only=True)
-        transport = "direct (CUDA-aware MPI)" if CUDA_AWARE else "staged through host memory"
+        transport = f"{'direct (CUDA-aware MPI' if CUDA_AWARE else 'staged through host memory ('}{decided})"
         uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
         if len(set(uuids)) < local_size:  # by UUID: with one GPU per task every rank sees "GPU 0"
             notes.append(f"note: {local_size} ranks share {len(set(uuids))} GPU(s) on this node (fails in EXCLUSIVE_PROCESS mode)")
@@ -1312,29 +1383,43 @@ def setup(comm, args):
     return types.SimpleNamespace(device=device, timeline=Timeline(device), memory=PeakMemory(device), header=header)
 
 def mpi_cuda_aware(comm):
-    """Can MPI read GPU memory? MPI_CUDA_AWARE=1|0 decides when set (a 1 that the library denies is
-    refused); else MPI 4.1's mpi_memory_alloc_kinds if it lists cuda; else MPIX_Query_cuda_support."""
+    """Can MPI read GPU memory, and how was that decided? MPI_CUDA_AWARE=1|0 when set, no library
+    probed (a debug MPICH before 4.0 asserts in its query); a 1 the memory kinds contradict is a
+    warning (Open MPI without CUDA over a CUDA UCX lists none, and reads GPU memory). Unset: MPI 4.1's
+    memory kinds; Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1 with its GTL library loaded; else
+    MPIX_Query_cuda_support, whose yes in Open MPI 4 tells only how the library was built."""
     try:
         kinds = comm.Get_info().Get("mpi_memory_alloc_kinds")
     except (MPI.Exception, NotImplementedError, AttributeError):
         kinds = None
-    says = True if kinds is not None and cuda_in_kinds(kinds) else mpix_query_cuda_support()  # not listed: unknown
     forced = os.environ.get("MPI_CUDA_AWARE")
-    if forced == "1" and says is False:
-        raise ConfigError(f"MPI_CUDA_AWARE=1, but this MPI library cannot read GPU memory (memory kinds "
-                          f"{kinds!r}); unset it to stage through host memory, or launch a CUDA-aware MPI "
-                          f"with mpiexec -memory-alloc-kinds system,cuda:device")
-    return forced == "1" if forced in ("0", "1") else bool(says)
+    if forced in ("0", "1"):
+        doubt = forced == "1" and kinds is not None and not cuda_in_kinds(kinds)
+        return forced == "1", f"MPI_CUDA_AWARE={forced}" + (f"; warning: the library's memory kinds "
+                                                           f"({kinds}) list no cuda" if doubt else "")
+    if kinds is not None and cuda_in_kinds(kinds):
+        return True, f"memory kinds {kinds}"
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1" and mpi_libraries_loaded("libmpi_gtl_cuda"):
+        return True, "Cray MPICH: MPICH_GPU_SUPPORT_ENABLED=1, its GTL library loaded"
+    says = mpix_query_cuda_support()
+    if says and mpi_library().startswith("Open MPI v4"):
+        return True, ("probably: Open MPI 4's MPIX_Query_cuda_support says how it was built, not what its "
+                      "transport can do; MPI_CUDA_AWARE=0 stages")
+    return bool(says), "MPIX_Query_cuda_support" if says is not None else "no sign of CUDA support"
 
 def cuda_in_kinds(kinds):
     """MPI 4.1's memory kinds (e.g. 'mpi,system,cuda:device'), which list only the kinds asked for
     at launch: 'cuda' or 'cuda:device' is GPU memory; 'cuda:host' (pinned host memory) is not."""
     return any(kind.strip() in ("cuda", "cuda:device") for kind in kinds.split(","))
 
+def mpi_libraries_loaded(name="libmpi"):
+    """The paths of the libraries loaded in this process whose path holds name (Linux)."""
+    maps = "/proc/self/maps"
+    return sorted({line.split()[-1] for line in open(maps) if name in line} if os.path.exists(maps) else [])
+
 def mpix_query_cuda_support():
     """The answer of Open MPI's and MPICH's MPIX_Query_cuda_support; None without it."""
-    maps = "/proc/self/maps"  # the libraries loaded in this process (Linux)
-    for path in sorted({line.split()[-1] for line in open(maps) if "libmpi" in line} if os.path.exists(maps) else []):
+    for path in mpi_libraries_loaded():
         query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
         if query is not None:
             return bool(query())
@@ -1431,7 +1516,9 @@ def check_common(args):
 
 def check_paths(comm, args):
     """Before anything is built, each rank tries what it will write: --save, a folder (made if
-    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates."""
+    missing) that every rank can write and sees as one folder; --trace, a file rank 0 creates.
+    First of all, N one-rank jobs are refused: they would write N probes in one folder."""
+    check_one_job(MPI.COMM_WORLD.Get_size())  # the world's, not comm's: tests train on parts of it
     rank, error = comm.Get_rank(), None
     try:
         if args.save:

@@ -4,6 +4,7 @@ import copy
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -188,25 +189,28 @@ def build(comm, args):
     timeline = ep.Timeline(CPU)
     ep_comm, replica_comm = ep.expert_groups(comm, args.ep)
     counted = {"all-to-all": ep.CountedComm(ep_comm, timeline), "router": ep.CountedComm(comm, timeline),
-               "dense": ep.CountedComm(comm, timeline), "experts": ep.CountedComm(replica_comm, timeline)}
+               "dense": ep.CountedComm(comm, timeline), "experts": ep.CountedComm(replica_comm, timeline),
+               "norm": ep.CountedComm(ep_comm, timeline)}
     model, optimizer = ep.expert_parallel_model(args, counted["all-to-all"], counted["router"], CPU)
     return model, optimizer, counted, timeline
 
 
 def train_and_check(comm, argv):
     """The script's training on comm, then its check. Returns (difference, the pairs dropped by the
-    ranks and by the reference, the loads, replicas bitwise identical)."""
+    ranks and by the reference, replicas bitwise identical, the gradient norms and the largest
+    difference of the norms alone)."""
     args = ep.parse_args(TINY + argv, comm.Get_size())
     model, optimizer, counted, timeline = build(comm, args)
     ep_comm, replica_comm = counted["all-to-all"].comm, counted["experts"].comm
-    losses, _ = ep.train(args, comm, CPU, model, optimizer, counted, timeline, ep.SavedActivations())
+    losses, norms, _ = ep.train(args, comm, CPU, model, optimizer, counted, timeline, ep.SavedActivations())
     losses = ep.global_losses(comm, losses)
     dense, experts = ep.checksums(model)
     same = len(set(comm.allgather(dense))) == 1 and len(set(replica_comm.allgather(experts))) == 1
-    diff, (reference_dropped, _, _) = ep.check(comm, args, losses, model)
+    same &= len(set(map(tuple, comm.allgather(norms)))) == 1  # every rank the same norm, bit for bit
+    diff, (reference_dropped, _, _, norm_diff) = ep.check(comm, args, losses, norms, model)
     dropped = comm.allreduce(int(sum(m.dropped for m in ep.moe_layers(model))))
     ep_comm.Free(), replica_comm.Free()
-    return diff, dropped, reference_dropped, same
+    return diff, dropped, reference_dropped, same, norms, norm_diff
 
 
 @pytest.mark.mpi
@@ -216,7 +220,7 @@ def test_training_equals_one_process_holding_every_expert(size, P, num_experts, 
     with sub_comm(size) as comm:
         diff, same = 0.0, True
         if comm is not None:
-            diff, dropped, reference_dropped, same = train_and_check(
+            diff, dropped, reference_dropped, same, _, _ = train_and_check(
                 comm, ["--ep", str(P), "--experts", str(num_experts), "--top-k", str(top_k)])
             same &= dropped == reference_dropped == 0
         assert max_everywhere(diff) <= ep.TOLERANCE
@@ -242,7 +246,7 @@ def test_with_a_capacity_the_ranks_and_one_process_drop_the_same_pairs(size, P):
     with sub_comm(size) as comm:
         diff, ok = 0.0, True
         if comm is not None:
-            diff, dropped, reference_dropped, ok = train_and_check(comm, ["--ep", str(P), "--capacity-factor", "1"])
+            diff, dropped, reference_dropped, ok, _, _ = train_and_check(comm, ["--ep", str(P), "--capacity-factor", "1"])
             ok &= dropped == reference_dropped > 0
         assert max_everywhere(diff) <= ep.TOLERANCE
         assert agree(ok)
@@ -300,11 +304,11 @@ def test_a_gradient_scaled_by_one_over_n_and_a_nudged_parameter_fail_the_bf16_ch
             monkeypatch.setattr(ep, "average_gradients", average)
             args = ep.parse_args(TINY + ["--ep", "2", "--precision", "bf16"], 2)
             model, optimizer, counted, timeline = build(comm, args)
-            losses = ep.global_losses(comm, ep.train(args, comm, CPU, model, optimizer, counted, timeline, ep.SavedActivations())[0])
+            losses, norms, _ = ep.train(args, comm, CPU, model, optimizer, counted, timeline, ep.SavedActivations())
             with torch.no_grad():
                 for p in model.parameters():
                     p += 1.5 * ep.TOLERANCE_BF16
-            nudged = ep.check(comm, args, losses, model)[0]
+            nudged = ep.check(comm, args, ep.global_losses(comm, losses), norms, model)[0]
             counted["all-to-all"].comm.Free(), counted["experts"].comm.Free()
         assert max_everywhere(wrong) > ep.TOLERANCE_BF16
         assert max_everywhere(-nudged) < -ep.TOLERANCE_BF16
@@ -447,6 +451,10 @@ def test_recomputation_keeps_the_losses_and_saves_what_its_formula_says(capsys):
     (["--batch-size", "10"], 4, ["--batch-size 10", "multiple of 4"]),
     (["--capacity-factor", "0"], 1, ["--capacity-factor"]),
     (["--aux-loss-coef", "-1"], 1, ["--aux-loss-coef"]),
+    (["--clip-grad", "-1"], 1, ["--clip-grad must be 0 or more"]),
+    (["--warmup-steps", "50"], 1, ["--warmup-steps 50", "--steps 50"]),
+    (["--steps", "3", "--warmup-steps", "4"], 1, ["--warmup-steps 4", "--steps 3"]),
+    (["--optimizer", "adam"], 1, ["--optimizer", "adamw"]),
 ])
 def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
     if words is None:  # 6 experts on 4 ranks: --ep defaults to 2, which divides both
@@ -457,20 +465,107 @@ def test_bad_arguments_are_rejected_with_what_would_work(argv, world, words):
     assert all(w in str(error.value) for w in words), str(error.value)
 
 
+# The training recipe: AdamW, the global gradient norm clipped below every step's norm (TINY's are near
+# 1: 0.85, 1.41, 1.12 at N = 2), so that the clip acts at every step, one warm-up step, then the cosine.
+RECIPE = ["--optimizer", "adamw", "--lr", "0.01", "--clip-grad", "0.05", "--lr-schedule", "cosine", "--warmup-steps", "1"]
+
+
+def test_the_learning_rate_schedule_by_hand():
+    """lr 1 over 5 steps, 1 warm-up step, cosine: 1 (warm-up, 1/1), then lr/10 + 0.45 (1 + cos(pi t)) at
+    t = 0, 1/4, 2/4, 3/4; lr 0.5, 2 warm-up steps, constant: 0.25, then 0.5; no warm-up: the cosine from t = 0."""
+    c = math.cos(math.pi / 4)
+    args = ep.parse_args(["--lr", "1", "--steps", "5", "--warmup-steps", "1", "--lr-schedule", "cosine"], 1)
+    expected = [1.0, 1.0, 0.1 + 0.45 * (1 + c), 0.55, 0.1 + 0.45 * (1 - c)]
+    assert [ep.learning_rate(args, step) for step in range(5)] == pytest.approx(expected, abs=1e-15)
+    args = ep.parse_args(["--lr", "0.5", "--steps", "4", "--warmup-steps", "2"], 1)
+    assert [ep.learning_rate(args, step) for step in range(4)] == [0.25, 0.5, 0.5, 0.5]
+    args = ep.parse_args(["--lr", "1", "--steps", "2", "--lr-schedule", "cosine"], 1)
+    assert [ep.learning_rate(args, step) for step in range(2)] == pytest.approx([1.0, 0.55], abs=1e-15)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, P, num_experts", [(4, 2, 4), (3, 3, 6), (2, 1, 4), (1, 1, 4)])
+def test_the_recipe_trains_as_one_process_with_the_clip_acting(size, P, num_experts):
+    """AdamW, the clip at 0.05 below every step's norm, a warm-up step and the cosine: the losses, the
+    parameters and the gradient norms (against torch's clip_grad_norm_ in one process) within TOLERANCE,
+    every rank the same norms bit for bit. Measured: (N, P) = (4, 2) 9.4e-7, (3, 3) 9.2e-7, (2, 1) 6.8e-7,
+    (1, 1) 1.6e-7; the norms alone 6.0e-7 at most (float32's order of summation)."""
+    with sub_comm(size) as comm:
+        diff, ok = 0.0, True
+        if comm is not None:
+            diff, _, _, ok, norms, _ = train_and_check(comm, ["--ep", str(P), "--experts", str(num_experts)] + RECIPE)
+            ok &= min(norms) > 0.05 and len(norms) == 3
+        assert max_everywhere(diff) <= ep.TOLERANCE
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+def test_the_recipe_in_bf16_trains_as_one_process_in_bf16():
+    """The recipe under autocast at N = 4, --ep 2: within TOLERANCE_BF16. Measured 2.7e-3 (SGD's runs: 4.0e-4):
+    AdamW's first steps are near lr x sign(gradient), so a near-zero gradient that bf16 rounds otherwise on
+    the ranks moves its weight by up to 2 lr; 49 of the 4,096 weights of one expert's fc2 past 1e-4, the
+    losses 2.7e-5 apart, the norms 5.7e-4."""
+    with sub_comm(4) as comm:
+        diff = 0.0
+        if comm is not None:
+            diff = train_and_check(comm, ["--ep", "2", "--precision", "bf16"] + RECIPE)[0]
+        assert max_everywhere(diff) <= ep.TOLERANCE_BF16
+
+
+def norm_over_all_ranks(comm, dense_from, experts_from):
+    """global_grad_norm written another way, to plant its bugs in: the squares summed by one Allreduce
+    over all N ranks of comm; the dense gradients added on the ranks dense_from(rank) allows, an expert's
+    on those experts_from(rank, P) allows."""
+    def norm(model, ep_comm):
+        experts = ep.expert_parameters(model)
+        dense = [p for p in model.parameters() if all(p is not e for e in experts)]
+        rank, P = comm.Get_rank(), ep_comm.Get_size()
+        counted = (dense if dense_from(rank) else []) + (experts if experts_from(rank, P) else [])
+        squares = sum((p.grad.square().sum() for p in counted), torch.zeros(())).reshape(1)  # zero: nothing counted
+        comm.Allreduce(ep.MPI.IN_PLACE, squares, op=ep.MPI.SUM)
+        return squares.sqrt()[0]
+    return norm
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("count, dense_from, experts_from", [
+    ("once", lambda rank: rank == 0, lambda rank, P: rank < P),
+    ("dense N times", lambda rank: True, lambda rank, P: rank < P),
+    ("experts N/P times", lambda rank: rank == 0, lambda rank, P: True),
+])
+def test_a_norm_that_counts_a_replica_more_than_once_fails_the_check(monkeypatch, count, dense_from, experts_from):
+    """Negative controls at N = 4, --ep 2 with the recipe: the norm summed over all 4 ranks, the dense
+    parameters from rank 0 alone and each expert from the first group alone, passes (the plant's way of
+    summing is not what fails: measured 9.4e-7); the dense parameters added on every rank (4 times), or
+    each expert on both its replicas (2 times), fails. Measured: dense 4 times, the norms 1.4 apart (twice
+    the true 0.85 to 1.4) and the parameters and losses 1.2e-2; experts twice, the norms 7.6e-4 apart and
+    the parameters and losses only 3.2e-6, under TOLERANCE: the experts hold little of the norm (about
+    0.013 of 0.85), so only the comparison of the norms catches this one in 3 steps."""
+    with sub_comm(4) as comm:
+        diff, norm_diff = 0.0, 0.0
+        if comm is not None:
+            monkeypatch.setattr(ep, "global_grad_norm", norm_over_all_ranks(comm, dense_from, experts_from))
+            diff, _, _, _, _, norm_diff = train_and_check(comm, ["--ep", "2"] + RECIPE)
+        if count == "once":
+            assert max_everywhere(diff) <= ep.TOLERANCE
+        else:
+            assert max_everywhere(norm_diff) > 10 * ep.TOLERANCE and max_everywhere(diff) > 10 * ep.TOLERANCE
+
+
 # The checkpoints' tests: a smaller model still (hidden 16), 2 steps saved, 2 more resumed.
 SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "12", "--json"]
 
 
 def run_on(size, argv, capsys):
-    """ep.main(SMALL + argv) on the first `size` ranks: (status, the JSON, "resumed from" said) on
-    every rank of COMM_WORLD, (0, None, False) from the ranks left out."""
+    """ep.main(SMALL + argv) on the first `size` ranks: (status, the JSON (also of a check that failed),
+    what rank 0 printed) on every rank of COMM_WORLD, (0, None, "") from the ranks left out."""
     with sub_comm(size) as comm:
-        result = (0, None, False)
+        result = (0, None, "")
         if comm is not None:
             status = ep.main(SMALL + argv, comm)
             out = capsys.readouterr().out
-            run = json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 and status == 0 else None
-            result = (status, run, "resumed from" in out)
+            run = json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 and status in (0, 1) else None
+            result = (status, run, out)
     return world().bcast(result, root=0)
 
 
@@ -486,8 +581,9 @@ def test_a_checkpoint_resumes_on_any_grid_as_the_uninterrupted_run_there(saved, 
     folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
     (n, p), (m, q) = saved, resumed
     first = run_on(n, ["--steps", "2", "--ep", str(p), "--save", folder, "--no-check"], capsys)
-    status, run, said = run_on(m, ["--steps", "4", "--ep", str(q), "--save", folder, "--resume"], capsys)
+    status, run, out = run_on(m, ["--steps", "4", "--ep", str(q), "--save", folder, "--resume"], capsys)
     whole = run_on(m, ["--steps", "4", "--ep", str(q), "--no-check"], capsys)
+    said = "resumed from" in out
     assert first[0] == status == whole[0] == 0 and said, (first[0], status, whole[0], said)
     diff = max(abs(a - b) for a, b in zip(run["losses"][2:], whole[1]["losses"][2:]))
     same = run["losses"] == whole[1]["losses"]
@@ -502,9 +598,64 @@ def test_a_resume_with_a_capacity_on_fewer_ranks_passes_its_check(tmp_path_facto
     folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
     flags = ["--capacity-factor", "1.0", "--save", folder]
     first = run_on(4, ["--steps", "2", "--ep", "2", "--no-check", *flags], capsys)
-    status, run, said = run_on(2, ["--steps", "4", "--ep", "1", "--resume", *flags], capsys)
+    status, run, out = run_on(2, ["--steps", "4", "--ep", "1", "--resume", *flags], capsys)
+    said = "resumed from" in out
     assert first[0] == status == 0 and said and run["tokens_dropped"] > 0, (first[0], status, said)
     assert run["check_max_abs_diff"] <= ep.TOLERANCE, run["check_max_abs_diff"]
+
+
+@pytest.mark.mpi
+def test_an_adamw_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run(tmp_path_factory, capsys, monkeypatch):
+    """The recipe over 4 steps on 4 ranks, --ep 2, a checkpoint after step 2 (the one of step 4 removed, as
+    a job killed after step 2 leaves it): AdamW's moments saved as pieces, exp_avg/<name> and
+    exp_avg_sq/<name> of the whole shapes, no momentum, the step count and the norms so far in the state.
+    Resumed on 2 ranks, --ep 1: the losses and norms of steps 3 and 4 equal 4 steps in one go there within
+    TOLERANCE (measured: bit for bit), the first two norms come from the checkpoint, the check passes
+    (1.1e-6) and the progress line shows the norm. Then the schedule planted one step ahead after the
+    resume (on the ranks; the reference writes its own): the check fails, measured 4.4e-2."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
+    flags = ["--steps", "4", "--log-every", "1", *RECIPE]
+    first = run_on(4, ["--ep", "2", "--save", folder, "--save-every", "2", "--no-check", *flags], capsys)
+
+    def interrupted():  # only the checkpoint of step 2 left
+        if world().Get_rank() == 0:
+            shutil.rmtree(os.path.join(folder, "step-000004"))
+        world().Barrier()
+    interrupted()
+    with open(os.path.join(folder, "step-000002", "manifest.json")) as stream:
+        manifest = json.load(stream)
+    pieces = {key: entry[0] for f in manifest["files"].values() for key, entry in f["pieces"].items()}
+    names = [key for key in pieces if "/" not in key]
+    status, run, out = run_on(2, ["--ep", "1", "--save", folder, "--resume", *flags], capsys)
+    whole = run_on(2, ["--ep", "1", "--no-check", *flags], capsys)[1]
+    interrupted()
+    real = ep.learning_rate
+    monkeypatch.setattr(ep, "learning_rate", lambda args, step: real(args, step + 1))
+    planted = run_on(2, ["--ep", "1", "--save", folder, "--resume", *flags], capsys)
+    assert first[0] == status == 0 and "resumed from" in out and "| norm " in out, (first[0], status, out)
+    assert manifest["state"]["optimizer"] == "adamw" and manifest["state"]["adamw_step"] == 2
+    assert manifest["state"]["grad_norms"] == first[1]["grad_norms"][:2] == run["grad_norms"][:2]
+    assert sorted(pieces) == sorted(names + [f"{kind}/{n}" for kind in ("exp_avg", "exp_avg_sq") for n in names])
+    assert all(pieces[f"{kind}/{n}"] == pieces[n] for kind in ("exp_avg", "exp_avg_sq") for n in names)
+    diff = max(abs(a - b) for key in ("losses", "grad_norms") for a, b in zip(run[key][2:], whole[key][2:]))
+    assert diff <= ep.TOLERANCE and run["check_max_abs_diff"] <= ep.TOLERANCE, (run, whole)
+    assert planted[0] == 1 and planted[1]["check_max_abs_diff"] > 10 * ep.TOLERANCE, planted[:2]
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_of_another_optimizer_is_refused_in_one_line(tmp_path_factory, capsys):
+    """SGD's momentum saved, AdamW asked for: status 2 on every rank, one error line that names both."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("checkpoints")), root=0)
+    first = run_on(2, ["--steps", "1", "--save", folder, "--no-check"], capsys)
+    with sub_comm(2) as comm:
+        ok, why = True, None
+        if comm is not None:
+            status = ep.main(SMALL + ["--steps", "2", "--optimizer", "adamw", "--save", folder, "--resume"], comm)
+            out, err = capsys.readouterr()
+            lines = [line for line in err.splitlines() if line.startswith("error:")]
+            why = (status, out, err)
+            ok = status == 2 and (comm.Get_rank() > 0 or (out == "" and len(lines) == 1 and "--optimizer sgd" in lines[0]))
+        assert agree(first[0] == 0 and ok), why
 
 
 @pytest.mark.mpi
