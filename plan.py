@@ -300,7 +300,7 @@ def axis_bytes(m, g, tr, batch, stage):
             # stage 3 gathers each layer before its forward and its backward and reduce-scatters its
             # gradient, once per micro-batch (the file's step is one micro-batch); the gathers move e bytes
             gathers = 1 if g.zero < 3 else 2
-            out["data"] = (4 * padded + gathers * e * padded) * (1 if g.zero < 3 else g.micro)
+            out["data"] = (4 * padded + gathers * e * padded) * (1 if g.zero < 3 else g.micro) + 4  # + the norm
         else:
             out["data"] = 4 * dense + (4 * expert if n // g.ep > 1 else 0)
     if t > 1:

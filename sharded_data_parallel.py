@@ -233,7 +233,7 @@ class ZeRO:
         distinct parts) count each element once. A norm of the whole local gradient, before the
         reduce-scatter, would be a slice's, another on each rank; one rank's partitions alone, without
         the Allreduce, would miss (N-1)/N: either clips by a wrong scale that differs between ranks.
-        Counted only with --clip-grad (without a clip the norm is a report)."""
+        Counted, clip or not: 4 bytes a step."""
         squares = torch.stack([layer.partition.grad.square().sum() for layer in self.layers]).sum().reshape(1)
         buffer = mpi_buffer(squares)
         comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)  # + the other ranks' partitions: the whole gradient
@@ -532,7 +532,7 @@ def train(args, comm, device, model, zero, timeline, activations, past=((), ()),
     its slice of the batch, `activations` measuring what autograd saves. Returns losses, norms, timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
     per_rank, losses, norms, records = args.batch_size // world_size, [], [], []
-    norm_comm = zero.comm if args.clip_grad else comm  # without a clip the norm is a report: not counted
+    norm_comm = zero.comm  # the norm's Allreduce, clip or not, is bytes handed to MPI: counted
     for step in range(len(past[0]), args.steps):
         start = time.perf_counter()
         x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
@@ -738,7 +738,7 @@ def report(comm, args, run, zero, losses, norms, records, counted, activations, 
     calls, volume = ({k: v / steps_run for k, v in counts.items()} for counts in (counted.calls, counted.bytes))
     psi = sum(layer.padded for layer in zero.layers)
     e, gathers = zero.layers[0].whole.element_size(), 1 if stage < 3 else 2  # stage 3 gathers twice
-    moved = (4 + gathers * e) * psi + 4 * (args.clip_grad > 0)  # reduce-scatter float32, all-gathers e; the norm
+    moved = (4 + gathers * e) * psi + 4  # reduce-scatter float32, all-gathers e; the norm's 4 bytes
     ring = (world_size - 1) / world_size * moved
     every = comm.allgather(live_tensor_bytes(zero))  # the same on every rank: so is S
     live = {kind: max(m[kind] for m in every) for kind in every[0]}
@@ -747,7 +747,7 @@ def report(comm, args, run, zero, losses, norms, records, counted, activations, 
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
-             + f"; formula 4 Psi + {gathers} x {e} Psi{' + 4 (the norm)' if args.clip_grad else ''} = {moved:,} bytes "
+             + f"; formula 4 Psi + {gathers} x {e} Psi + 4 (the norm) = {moved:,} bytes "
              f"(Psi = {psi:,} with padding); a ring "
              f"moves (N-1)/N of that per rank, {ring:,.0f}, {ring / (8 * psi * (world_size - 1) / world_size or 1):g}"
              f" x a float32 allreduce of the gradients",
