@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import data_parallel as dp
-from harness import ROOT, SIZES, agree, clean_env, last_json, launch, max_everywhere, sub_comm
+from harness import ROOT, SIZES, agree, clean_env, last_json, launch, max_everywhere, sub_comm, world
 
 CPU = torch.device("cpu")
 
@@ -453,3 +453,35 @@ def test_without_overlap_no_bucket_is_posted_before_a_later_gradient_and_staged_
                               "--sync-bn", "--json", env=clean_env(STAGE_ALL=1)))
     assert staged["check_max_abs_diff"] <= dp.TOLERANCE
     assert staged["overlap"] == {"buckets_posted_before_later_gradients": [1, 2]}
+
+
+def main_on(size, argv, capsys):
+    """dp.main(argv) on the first `size` ranks; returns (every rank's status is 0, rank 0's JSON)."""
+    with sub_comm(size) as comm:
+        status, result = 0, None
+        if comm is not None:
+            status = dp.main(argv + ["--json"], comm)
+            out = capsys.readouterr().out
+            result = comm.bcast(json.loads(out.strip().splitlines()[-1]) if comm.Get_rank() == 0 else None, root=0)
+        return agree(status == 0), world().bcast(result, root=0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("saved_on, resumed_on", [(1, 3), (3, 2), (2, 4), (4, 1)])
+def test_a_checkpoint_resumes_at_another_world_size_as_the_uninterrupted_run_there(saved_on, resumed_on,
+                                                                                   tmp_path_factory, capsys):
+    """Saved at step 2 on one world size, resumed to step 4 on another, with the recipe (clip and
+    cosine): the steps after the checkpoint equal those of a run at the new size throughout, within
+    TOLERANCE (per-rank BatchNorm is not used: --sync-bn, so the world size changes no statistic),
+    the norms too, and the resumed run's check, which replays each step's world size, passes."""
+    flags = ["--batch-size", "24", "--sync-bn", "--clip-grad", "0.05", "--lr-schedule", "cosine", "--warmup-steps", "1",
+             "--no-check"]
+    folder, whole_folder = (world().bcast(str(tmp_path_factory.mktemp(name)), root=0) for name in ("saved", "whole"))
+    ok, _ = main_on(saved_on, flags + ["--steps", "2", "--save", folder], capsys)
+    ok_whole, whole = main_on(resumed_on, flags + ["--steps", "4", "--save", whole_folder], capsys)
+    ok_resumed, resumed = main_on(resumed_on, flags[:-1] + ["--steps", "4", "--save", folder, "--resume"], capsys)
+    assert ok and ok_whole and ok_resumed
+    assert resumed["check_max_abs_diff"] <= dp.TOLERANCE and resumed["world_size"] == resumed_on
+    after = [abs(a - b) for a, b in zip(resumed["losses"][2:] + resumed["grad_norms"][2:],
+                                        whole["losses"][2:] + whole["grad_norms"][2:])]
+    assert len(resumed["grad_norms"]) == 4 and max(after) <= dp.TOLERANCE, after
