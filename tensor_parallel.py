@@ -1561,6 +1561,7 @@ def abort_on_exception(kind, value, tb):
     rank = MPI.COMM_WORLD.Get_rank()
     text = "".join(traceback.format_exception(kind, value, tb))
     print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
+    time.sleep(1)  # the launcher forwards the line before Abort tears the job down (once it came too late)
     MPI.COMM_WORLD.Abort(1)
 
 if __name__ == "__main__":
