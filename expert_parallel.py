@@ -1366,6 +1366,7 @@ def setup(comm, args):
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic = True
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # bf16 products summed in float32
             torch.use_deterministic_algorithms(True, warn_only=True)
         transport = f"{'direct (CUDA-aware MPI' if CUDA_AWARE else 'staged through host memory ('}{decided})"
         uuids = node.allgather(str(torch.cuda.get_device_properties(device).uuid))
@@ -1548,9 +1549,8 @@ def check_paths(comm, args):
 
 def abort_on_exception(kind, value, tb):
     """An exception on one rank must end the whole job, not leave the others in a collective."""
-    rank = MPI.COMM_WORLD.Get_rank()
     text = "".join(traceback.format_exception(kind, value, tb))
-    print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
+    print(f"rank {MPI.COMM_WORLD.Get_rank()}: {text}", file=sys.stderr, flush=True)
     time.sleep(1)  # the launcher forwards the line before Abort tears the job down (once it came too late)
     MPI.COMM_WORLD.Abort(1)
 
