@@ -4,10 +4,9 @@ import json
 import sys
 
 import pytest
-import torch
 
 from bench import report
-from harness import ROOT, launch, last_json, world
+from harness import launch, last_json, world
 
 
 def case(label, tags, seconds, **result):
@@ -505,134 +504,9 @@ def test_the_pictures_are_drawn_from_saved_results(tmp_path, capsys):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pictures)
 
 
-@pytest.mark.e2e
-def test_without_a_gpu_the_gpu_commands_say_so_in_one_line_each(tmp_path):
-    """bench/gpu_smoke.sh still writes its table, each GPU row 'no GPU'; run.py --gpu refuses."""
-    import subprocess
-    from harness import ROOT, clean_env
-    smoke = subprocess.run(["bash", str(ROOT / "bench" / "gpu_smoke.sh"), "--out", str(tmp_path / "smoke.md")],
-                           env=clean_env(), capture_output=True, text=True, timeout=180)
-    assert smoke.returncode == 0, smoke.stderr
-    rows = [line for line in (tmp_path / "smoke.md").read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) >= 20 and all(row.endswith("| no GPU |") for row in rows), rows
-    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--gpu"], env=clean_env(),
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and refused.stderr.startswith("error: --gpu: torch sees no CUDA device")
-    assert len(refused.stderr.splitlines()) == 1
-
-
 def test_groups_picks_the_jobs_of_the_mode_that_hold_them_and_an_unknown_group_is_one_line(capsys):
     sys.path.insert(0, str(importlib.import_module("harness").ROOT / "bench"))
     run = importlib.import_module("run")
     assert run.main(["--groups", "large,nope"]) == 2
     assert capsys.readouterr().err.startswith("error: --groups: no group nope; the groups are dp, pp,")
     assert [j.groups for j in run.plan("full") if "large" in j.groups] == [("large",)]
-
-
-# --- bench/gpu_smoke.py on stub runs: each row tells the truth, and the smoke keeps its budget ----
-def smoke():
-    sys.path.insert(0, str(ROOT / "bench"))
-    return importlib.import_module("gpu_smoke")
-
-
-def good_result(ranks):
-    return json.dumps({"world_size": ranks, "check_max_abs_diff": 1e-7, "peak_memory_bytes_per_rank": [1e6] * ranks,
-                       "step_time_s": 0.01, "overlap": None}) + "\n"
-
-
-def test_a_smoke_run_that_dies_after_its_header_gives_its_row_its_status_and_last_error(monkeypatch):
-    gpu_smoke = smoke()
-    monkeypatch.setattr(gpu_smoke, "run", lambda *args, **kwargs: (
-        134, "context_parallel | 2 ranks | device cuda\nCUDA buffers: staged\n", "RuntimeError: CUDA error: an illegal memory access"))
-    row = gpu_smoke.strategy_row("context parallel", "context_parallel.py", 2, [], 0, 60)
-    assert row == "| context parallel | 2 | staged | FAIL: exit 134: RuntimeError: CUDA error: an illegal memory access |"
-
-
-def test_n_one_rank_jobs_are_a_failed_row_not_n_passes(monkeypatch):
-    gpu_smoke = smoke()
-    monkeypatch.setattr(gpu_smoke, "run", lambda script, ranks, *args, **kwargs: (0, good_result(1) * ranks, ""))
-    row = gpu_smoke.strategy_row("data parallel", "data_parallel.py", 2, [], 0, 60)
-    assert "FAIL: the run reports a world of 1, not 2" in row
-    monkeypatch.setattr(gpu_smoke, "run", lambda script, ranks, *args, **kwargs: (0, good_result(ranks), ""))
-    assert "-> PASS" in gpu_smoke.strategy_row("data parallel", "data_parallel.py", 2, [], 0, 60)
-
-
-def test_when_nvidia_smi_lists_gpus_that_torch_cannot_see_the_smoke_says_so_first_and_fails(monkeypatch, tmp_path, capsys):
-    gpu_smoke = smoke()
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setattr(gpu_smoke, "nvidia_smi_gpus", lambda: 4)
-    assert gpu_smoke.main(["--out", str(tmp_path / "smoke.md")]) == 1
-    assert capsys.readouterr().err.startswith("error: nvidia-smi lists 4 GPU(s) but torch")
-    assert not (tmp_path / "smoke.md").exists()
-
-
-def test_the_smoke_tells_whether_mpirun_belongs_to_the_library_mpi4py_loaded():
-    gpu_smoke = smoke()
-    assert gpu_smoke.same_mpi("MPICH Version:      5.0.2", "HYDRA build details:\n    Version:  5.0.2\n")
-    assert not gpu_smoke.same_mpi("MPICH Version:      5.0.2", "mpirun (Open MPI) 5.0.5\n")
-    assert gpu_smoke.same_mpi("Open MPI v5.0.5, package: Open MPI", "mpirun (Open MPI) 5.0.5\n")
-    assert not gpu_smoke.same_mpi("Open MPI v4.1.6, package: Open MPI", "mpirun (Open MPI) 5.0.5\n")
-    library, mpirun, said = gpu_smoke.mpi_versions()  # this machine's: the pip MPICH and its own mpirun
-    assert gpu_smoke.same_mpi(library, said), (library, mpirun, said)
-
-
-def test_every_row_runs_after_one_that_dies_and_the_whole_smoke_keeps_its_budget(monkeypatch, tmp_path):
-    """Every stub launch hangs until its time limit (the clock is made up): the smoke must still
-    end within its budget, every row present, the context row first and the dead one said."""
-    gpu_smoke, clock, limits = smoke(), [0.0], []
-    monkeypatch.setattr(gpu_smoke.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "a stub GPU")
-    monkeypatch.setattr(gpu_smoke, "cuda_support_line", lambda: "yes: memory kinds 'system,cuda', stubbed")
-
-    def hangs(script, ranks, flags, timeout, **extra):
-        limits.append(timeout)
-        clock[0] += timeout
-        if not limits[1:]:
-            return 134, "the header\n", "RuntimeError: CUDA error: an illegal memory access"
-        return (2, "", "error: thread level") if extra.get("MPI4PY_RC_THREAD_LEVEL") else (0, good_result(ranks), "")
-    monkeypatch.setattr(gpu_smoke, "run", hangs)
-
-    def stop_and_resume(save, budget):
-        clock[0] += max(0.0, budget.left())
-        return "PASS: stubbed"
-    monkeypatch.setattr(gpu_smoke, "stop_and_resume", stop_and_resume)
-    assert gpu_smoke.main(["--out", str(tmp_path / "smoke.md")]) == 0
-    rows = [line for line in (tmp_path / "smoke.md").read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 2 * len(gpu_smoke.RUNS) + 2 and clock[0] <= gpu_smoke.BUDGET_S, (clock, rows)
-    assert rows[0] == "| context parallel | 2 | staged | FAIL: exit 134: RuntimeError: CUDA error: an illegal memory access |"
-    assert rows[2].startswith("| expert parallel | 2 | staged | max diff") and all(0 < t <= 120 for t in limits)
-    assert "budget" in rows[-3] and rows[-1].endswith("| PASS: stubbed |")
-
-
-def test_a_clean_launch_environment_keeps_the_user_s_mpi_settings_and_drops_the_enclosing_job_s_ranks(monkeypatch):
-    from harness import clean_env
-    users = {"OMPI_MCA_btl": "tcp,self", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-             "HYDRA_LAUNCHER": "fork", "HYDRA_HOST_FILE": "/etc/hosts.mpi", "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-             "PMIX_MCA_gds": "hash", "MPIR_CVAR_CH4_NETMOD": "ofi"}
-    ranks = {"PMI_RANK": "1", "PMI_SIZE": "4", "PMI_FD": "9", "MPI_LOCALRANKID": "1", "HYDI_CONTROL_FD": "7",
-             "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "1", "PMIX_NAMESPACE": "job.1",
-             "PMIX_SERVER_URI41": "pmix-server.1;tcp4://127.0.0.1:4242", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
-    for name, value in {**users, **ranks}.items():
-        monkeypatch.setenv(name, value)
-    env = clean_env()
-    assert {k: env.get(k) for k in users} == users
-    assert [k for k in ranks if k in env] == []
-
-
-@pytest.mark.e2e
-def test_the_smoke_s_stop_and_resume_row_on_the_cpu(tmp_path, monkeypatch):
-    """The row itself, on the CPU: SIGTERM as soon as training runs, to the ranks found by a tag
-    in their environment (not by parentage: under Slurm, hydra's proxies are srun's children),
-    the stop's status, and the resumed losses within the tolerance."""
-    gpu_smoke = smoke()
-    monkeypatch.setattr(gpu_smoke, "DEVICE", "cpu")
-    said = gpu_smoke.stop_and_resume(tmp_path / "save", gpu_smoke.Budget(240))
-    assert said.startswith("PASS: stopped by a signal after step ") and "(exit status 75)" in said, said
-
-
-def test_the_smoke_reports_the_error_line_not_open_mpis_closing_banner():
-    gpu_smoke = smoke()
-    stderr = "error: MPI runs at thread level 1, but ... MPI_THREAD_SERIALIZED (2) or more is needed\n" + "-" * 74 + "\n"
-    assert gpu_smoke.last_error(stderr).startswith("error: MPI runs at thread level 1")
-    assert gpu_smoke.last_error("Traceback\nRuntimeError: boom\n") == "RuntimeError: boom"
