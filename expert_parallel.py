@@ -24,7 +24,7 @@ dense parameters (attention, embeddings, LayerNorms, routers), is whole on every
     the rank the row came from); an expert's weight gradients stay with the expert.
   after backward: dense gradients:  Allreduce over all N ranks, / N
                   expert gradients: Allreduce over the N/P ranks holding the same expert, / N
-                  the gradient norm: Allreduce of its squares over a group, each parameter once (--clip-grad)
+                  the norm: Allreduce of its squares over a group, each parameter once (--clip-grad)
 
 The router: softmax and top k in float32 (a stable sort: the lowest index wins a tie), the gates the
 chosen probabilities. A near-tie can fall otherwise in one process than in N, and one token sent
@@ -37,7 +37,7 @@ first in token order, the rest dropped (the residual carries the token on) and c
 
 Precision (--precision bf16): torch.autocast(bfloat16) around the forward and the loss, on the ranks
 and in --check's one process. The parameters stay float32 (master weights): autocast casts each to
-bf16 as a matmul uses it and autograd keeps that copy; gradients land in float32, the optimizer's state too.
+bf16 as a matmul uses it, autograd keeps that copy; gradients land in float32, optimizer state too.
 Float32 also: the residual stream (so the LayerNorms), the router (autocast off: bf16 logits flip
 choices), attention's softmax and the loss (.float(): on the CPU autocast leaves softmax in its
 input's dtype), the gated sum. MPI buffers: the Alltoallv rows bf16 (the expert's first matmul casts
@@ -49,8 +49,8 @@ bytes in bf16 else 4, r = 6 with --recompute full (the forward's two again) else
   Alltoallv: r L (k n - d) h p bytes, a rank's own rows included (1/P of them when balanced)
   Alltoall of the counts, Allreduce of the router's counts: L E 8 bytes each (twice with full)
   Allreduce of the dense gradients (D parameters): 4 D bytes over N ranks; of the expert gradients
-    (X parameters an expert): 4 (E/P) L X bytes over N/P ranks. A rank holds (E/P) L X + D parameters.
-  Allreduce of the gradient norm's sum of squares: 4 bytes over P ranks (with --clip-grad; else a report)
+    (X parameters an expert): 4 (E/P) L X bytes over N/P ranks. A rank holds (E/P) L X + D in all.
+  Allreduce of the norm's sum of squares: 4 bytes over P ranks (with --clip-grad; else a report)
 Activations (saved for backward in one forward, each storage once, weights and their bf16 copies
 aside), mean per rank; b = B/N, s = T, a heads, m = k n - d rows a rank's experts get on average,
 float32 parts 4 bytes whatever p, indices 8:
@@ -102,13 +102,13 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "expert_parallel"
-# Largest |difference| allowed against single-process training. Measured in float32: the default model over 50 steps
-# 9.5e-7, 7.2e-7, 8.0e-7 (--ep 1), 4.8e-7 at N = 1 to 4, the tests' small one 7.2e-7 (a wrong divisor: 2e-2 in 3 steps);
-# in bf16: 1.9e-3 at N = 4 (its own top 2 differed at 145 token-layers, by 9.7e-5), the tests' 4.0e-4 at most, N <= 4.
-# AdamW amplifies rounding (m/sqrt(v)): --lr 1e-3 6.3e-7 in 50 steps; --lr 1e-2 past it from step 30, N = 1 too: 1.3e-3
-TOLERANCE = 2e-5
-TOLERANCE_BF16 = 5e-3
-POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
+# Largest |difference| allowed against single-process training. Measured in float32: the default
+# model over 50 steps 9.5e-7, 7.2e-7, 8.0e-7 (--ep 1), 4.8e-7 at N = 1 to 4, the tests' small one
+# 7.2e-7 (a wrong divisor: 2e-2 in 3 steps); in bf16: 1.9e-3 at N = 4 (its own top 2 differed at 145
+# token-layers, by 9.7e-5), the tests' 4.0e-4 at most, N <= 4. AdamW amplifies rounding (m/sqrt(v)):
+# --lr 1e-3 6.3e-7 in 50 steps; --lr 1e-2 past it from step 30, N = 1 too: 1.3e-3
+TOLERANCE, TOLERANCE_BF16 = 2e-5, 5e-3
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls, leaving the core to those that compute
 VOCAB = 128  # the ASCII codes
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 
@@ -127,11 +127,11 @@ def route(tokens, router, top_k):
 
 
 def load_balancing_loss(probs, choice, num_experts, coef, comm):
-    """Switch's alpha E sum_i f_i P_i, f the shares of all ranks' (token, choice) pairs (one Allreduce
-    of E counts: a mean of the ranks' products f_i P_i is not the product of the means), P from this
-    rank's tokens (the gradient allreduce takes its mean). Balanced routing gives alpha, whatever k;
-    GShard takes (1/E) sum_i f_i P_i, f of first choices; Mixtral's (as Hugging Face's transformers
-    computes it) is k times this. Returns the loss and all ranks' counts (the load)."""
+    """Switch's alpha E sum_i f_i P_i, f the shares of all ranks' (token, choice) pairs (one
+    Allreduce of E counts: a mean of the ranks' products f_i P_i is not the product of the means), P
+    from this rank's tokens (the gradient allreduce takes its mean). Balanced routing gives alpha,
+    whatever k; GShard takes (1/E) sum_i f_i P_i, f of first choices; Mixtral's (as Hugging Face's
+    transformers computes it) is k times this. Returns the loss and all ranks' counts (the load)."""
     counts = torch.bincount(choice.reshape(-1), minlength=num_experts)
     if comm is not None:
         buffer = mpi_buffer(counts)
@@ -143,7 +143,7 @@ def load_balancing_loss(probs, choice, num_experts, coef, comm):
 
 def expert_capacity(capacity_factor, top_k, n, num_experts):
     """ceil(C k n / E) pairs per expert from one rank's n tokens, exactly (C as the decimal the user
-    wrote: 1.1 x 90 / 3 is 33, in floats 33.00000000000001); None (dropless) without a capacity factor."""
+    wrote: 1.1 x 90 / 3 is 33, in floats 33.00000000000001); None (dropless) without one."""
     if capacity_factor is None:
         return None
     return math.ceil(fractions.Fraction(repr(capacity_factor)) * top_k * n / num_experts)
@@ -200,7 +200,7 @@ def dispatch_and_run(tokens, choice, keep, experts, comm):
     send_rows, recv_rows = sent.view(size, local).sum(1).tolist(), received.view(size, local).sum(1).tolist()
     rows = tokens[pairs // k]
     if torch.is_autocast_enabled(rows.device.type):  # bf16: the expert's first matmul would cast
-        rows = rows.to(torch.get_autocast_dtype(rows.device.type))  # the rows: cast first, half the bytes
+        rows = rows.to(torch.get_autocast_dtype(rows.device.type))  # cast first: half the bytes
     rows = AllToAll.apply(rows, send_rows, recv_rows, comm)  # dispatch
     # The rows arrive by source rank, within one by expert: regroup them expert by expert, run each
     # expert once on all its rows, and put the outputs back in the order of arrival. A toy: 2 ranks,
@@ -221,15 +221,15 @@ def dispatch_and_run(tokens, choice, keep, experts, comm):
 def average_gradients(model, comm, replica_comm):
     """After backward: the dense gradients summed over all N ranks, each expert's over the N/P ranks
     that hold it, both / N. Why N, not N/P: the step's loss is the mean of the N ranks' losses; with
-    N = 4, P = 2, expert E0's copies on ranks 0 and 2 get the gradients of ranks 0 and 1's tokens and
-    of 2 and 3's: their sum holds all 4 losses' terms, the mean's gradient is sum / 4, and / (N/P)
-    would step the experts P times too far, with no error. Float32 in bf16 too (Megatron's default):
-    MPI has no bfloat16 arithmetic (MPICH refuses MPI.SUM on it); bf16 gradients would halve the bytes
-    and their memory, and lose small contributions summed into large ones."""
+    N = 4, P = 2, expert E0's copies on ranks 0 and 2 get the gradients of ranks 0 and 1's tokens
+    and of 2 and 3's: their sum holds all 4 losses' terms, the mean's gradient is sum / 4, while
+    / (N/P) would step the experts P times too far, with no error. Float32 in bf16 too (Megatron's
+    default): MPI has no bfloat16 arithmetic (MPICH refuses MPI.SUM on it); bf16 gradients would
+    halve the bytes and their memory, and lose small contributions summed into large ones."""
     experts = expert_parameters(model)
     dense = [p for p in model.parameters() if all(p is not e for e in experts)]
     for params, over in ((dense, comm), (experts, replica_comm)):
-        flat = torch.cat([p.grad.reshape(-1) for p in params])  # float32, in bf16 too (see the docstring)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # float32, in bf16 too: see above
         buffer = mpi_buffer(flat)
         over.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
         for p, grad in zip(params, (from_mpi(flat, buffer) / comm.Get_size()).split([p.numel() for p in params])):
@@ -237,11 +237,11 @@ def average_gradients(model, comm, replica_comm):
 
 
 def global_grad_norm(model, ep_comm):
-    """After average_gradients: the whole model's gradient norm, each parameter counted once. A group's P
-    ranks hold the model once (the dense part whole on each, each expert on one): its rank 0 adds the dense
-    squares, each rank its experts', one Allreduce over ep_comm sums them. Over all N ranks the dense part
-    would count N times, an expert N/P (its replicas hold equal gradients after the average). Every group
-    sums the same float32 numbers in the same order: every rank gets the same norm."""
+    """After average_gradients: the whole model's gradient norm, each parameter once. A group's P
+    ranks hold the model once (the dense part whole on each, each expert on one): its rank 0 adds
+    the dense squares, each rank its experts', one Allreduce over ep_comm sums them. Over all N
+    ranks the dense part would count N times, an expert N/P (its replicas hold equal gradients
+    after the average). Every group sums the same float32 numbers in the same order: one norm."""
     experts = expert_parameters(model)
     dense = [p for p in model.parameters() if all(p is not e for e in experts)] if ep_comm.Get_rank() == 0 else []
     squares = torch.stack([p.grad.square().sum() for p in dense + experts]).sum().reshape(1)
@@ -252,7 +252,7 @@ def global_grad_norm(model, ep_comm):
 
 def expert_groups(comm, ep):
     """Two splits of comm: the ep consecutive ranks that share the experts out (the tokens'
-    exchange), and the N/ep ranks, one in each group, that hold the same experts (their gradients)."""
+    exchange), and the N/ep ranks, one a group, that hold the same experts (their gradients)."""
     rank = comm.Get_rank()
     return comm.Split(rank // ep, rank), comm.Split(rank % ep, rank)
 
@@ -269,8 +269,8 @@ def expert_parallel(model, ep_comm, stats_comm):
 
 
 def train_step(model, optimizer, x, y, comm, replica_comm, norm_comm, lr, max_norm, timeline, meter, bf16):
-    """One step on this rank's slice of the batch (in bf16: autocast, see the docstring), the forward measured
-    by meter, the gradients clipped to max_norm (0: not), at lr. Returns this rank's loss and the norm."""
+    """One step on this rank's slice of the batch (bf16: autocast, see the docstring), the forward
+    measured by meter, gradients clipped to max_norm (0: not), at lr. Returns this rank's loss, norm."""
     optimizer.zero_grad(set_to_none=False)
     with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
         loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + sum(m.aux for m in moe_layers(model))
@@ -279,7 +279,7 @@ def train_step(model, optimizer, x, y, comm, replica_comm, norm_comm, lr, max_no
     average_gradients(model, comm, replica_comm)
     with timeline.span("compute", "optimizer"):
         norm = global_grad_norm(model, norm_comm)
-        scale = max_norm / (norm + 1e-6) if max_norm else 1.0  # torch.nn.utils.clip_grad_norm_'s, in float32
+        scale = max_norm / (norm + 1e-6) if max_norm else 1.0  # clip_grad_norm_'s rule, in float32
         for p in model.parameters() if scale < 1 else []:
             p.grad.mul_(scale)  # the same scale on every rank: the same norm
         for group in optimizer.param_groups:
@@ -297,7 +297,7 @@ CUDA_AWARE = False
 
 
 def mpi_buffer(t):
-    """The buffer to hand MPI for t: t itself, or a pinned host copy (all calls here are blocking)."""
+    """The buffer to hand MPI for t: t itself, or a pinned host copy (every call here blocks)."""
     if not t.is_cuda:
         return t
     if CUDA_AWARE:
@@ -309,8 +309,11 @@ def mpi_buffer(t):
 
 
 def receive_buffer(t):
-    """Where a receive for t lands: t itself, or an empty pinned host buffer (nothing to copy in)."""
-    return t if not t.is_cuda or CUDA_AWARE else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    """Where a receive for t lands: an empty pinned host buffer (nothing to copy in), or t itself
+    once kernels queued before are done: they may still read it (memory the allocator reuses)."""
+    if t.is_cuda and not CUDA_AWARE:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return mpi_buffer(t)  # on a GPU, t after an event: MPI may write it from the moment it has it
 
 
 def from_mpi(t, buffer):
@@ -335,7 +338,7 @@ class Expert(nn.Module):
 class MoE(nn.Module):
     """A router and E experts: y = sum over a token's top-k experts of gate x expert(x), added in
     the order of the choices. expert_parallel() gives it its experts' ranks (ep_comm) and the ranks
-    whose choices the load-balancing loss counts (stats_comm); --check runs its own, written apart."""
+    whose choices the load-balancing loss counts (stats_comm); --check's is written apart."""
 
     def __init__(self, hidden, num_experts, top_k, aux_coef, capacity_factor):
         super().__init__()
@@ -344,7 +347,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_coef, self.capacity_factor = aux_coef, capacity_factor
         self.ep_comm = self.stats_comm = self.aux = None  # aux: the last load-balancing loss (Block sets it)
-        # For the report and --check: the last forward's load, choices, pairs kept, top-k gap (see tally())
+        # For the report and --check: last forward's load, choices, kept pairs, top-k gap (tally())
         self.load = self.choice = self.keep = self.gap = self.first_load = None
         self.register_buffer("dropped", torch.tensor(0), persistent=False)
         self.register_buffer("min_gap", torch.tensor(math.inf), persistent=False)
@@ -360,13 +363,13 @@ class MoE(nn.Module):
         y = gate[:, 0] * outputs[:, 0]  # float32 gates: the sum is float32 in bf16 too
         for c in range(1, self.top_k):  # the fixed order of the sum
             y = y + gate[:, c] * outputs[:, c]
-        self.choice, self.keep, self.gap = choice, keep, gap  # for the report and --check (see __init__)
+        self.choice, self.keep, self.gap = choice, keep, gap  # for the report and --check
         return y.view_as(x), aux
 
 
 def tally(block, inputs, output):
-    """After a block's forward (once a step: a recomputation reruns Block.body alone), for the report
-    and --check: the pairs dropped, the smallest top-k gap, the first load, the choices written down."""
+    """After a block's forward (once a step: a recomputation reruns Block.body alone), for the
+    report and --check: the pairs dropped, the smallest top-k gap, the first load, the choices."""
     moe = block.moe
     moe.dropped, moe.min_gap = moe.dropped + (~moe.keep).sum(), torch.minimum(moe.min_gap, moe.gap)
     moe.first_load = moe.load if moe.first_load is None else moe.first_load
@@ -392,20 +395,20 @@ def attend(qkv, heads, selective):
 
 class Block(nn.Module):
     """Pre-LayerNorm decoder block whose MLP is a mixture of experts. Recomputation (--recompute):
-    torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by save_for_backward (where
-    the saved-tensor hooks that measure activations see them, unlike the non-reentrant form), runs fn
-    without autograd, and in backward reruns it in the forward's autocast state. full: each block from its
-    input; its exchanges (router Allreduce, counts Alltoall, dispatch, combine) run again in backward.
-    selective: attention's core (scores, mask, softmax, x V) from q, k, v."""
+    torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by save_for_backward
+    (where the saved-tensor hooks that measure activations see them, unlike the non-reentrant form),
+    runs fn without autograd, and in backward reruns it in the forward's autocast state. full: each
+    block from its input; its exchanges (router Allreduce, counts Alltoall, dispatch, combine) run
+    again in backward. selective: attention's core (scores, mask, softmax, x V) from q, k, v."""
 
     def __init__(self, args):
         super().__init__()
         self.heads, h = args.heads, args.hidden
         self.ln1, self.qkv, self.proj, self.ln2 = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h), nn.LayerNorm(h)
         self.moe = MoE(h, args.experts, args.top_k, args.aux_loss_coef, args.capacity_factor)
-        self.recompute = "none"  # expert_parallel_model() sets --recompute; --check's one process keeps none
+        self.recompute = "none"  # expert_parallel_model() sets it; --check's one process keeps none
 
-    def forward(self, x):  # full: only x is kept, and body() runs again in backward, its exchanges too
+    def forward(self, x):  # full: only x is kept; body() runs again in backward, exchanges too
         x, self.moe.aux = checkpoint(self.body, x, use_reentrant=True) if self.recompute == "full" else self.body(x)
         return x
 
@@ -473,7 +476,7 @@ def expert_parallel_model(args, ep_comm, stats_comm, device):
     """The whole model from the seed on the CPU; each rank keeps its experts and moves only its
     part to its device. Returns it and its optimizer."""
     model = expert_parallel(build_model(args), ep_comm, stats_comm).to(device)
-    for block in model.blocks:  # --check: every step's choices written down, for one process to follow
+    for block in model.blocks:  # --check: the choices of every step, for one process to follow
         block.recompute, block.moe.written = args.recompute, [] if args.check else None
         block.register_forward_hook(tally)
     return model, make_optimizer(model, args)
@@ -515,17 +518,17 @@ def make_batch(seed, step, size, seq_len):
 # -----------------------------------------------------------------------------
 def learning_rate(args, step):
     """The learning rate of step (from 0): linear warm-up over --warmup-steps W, then constant, or a
-    cosine from lr down towards lr / 10 at --steps. A function of the step alone: a resume continues it."""
+    cosine from lr towards lr / 10 at --steps. A function of the step alone (a resume continues it)."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    done = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)  # the cosine's way, 0 to 1
+    done = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)  # 0 to 1
     cosine = args.lr / 10 + 0.5 * (args.lr - args.lr / 10) * (1 + math.cos(math.pi * done))
     return args.lr if args.lr_schedule == "constant" else cosine
 
 
 def train(args, comm, device, model, optimizer, counted, timeline, meter, past=(), world_sizes=(), past_norms=()):
-    """The steps after the `past` ones (their global losses, world sizes and norms, from a checkpoint), each
-    forward's saved activations measured by meter. Returns this rank's losses of the new steps, norms, timings."""
+    """The steps after the `past` ones (global losses, world sizes, norms: from a checkpoint), each
+    forward's saved activations measured by meter. Returns its new losses, norms, timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
     per = args.batch_size // world_size
     norm_comm = counted["norm"] if args.clip_grad else counted["norm"].comm  # no clip: a report, not counted
@@ -580,7 +583,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     losses, norms = past + global_losses(comm, losses), past_norms + norms
     dense, experts = checksums(model)
     if len(set(comm.allgather(dense))) != 1 or len(set(replica_comm.allgather(experts))) != 1:
-        raise RuntimeError("replicas diverged: the dense parameters, or the copies of an expert, differ")
+        raise RuntimeError("replicas diverged: the dense parameters or an expert's copies differ")
     world_sizes += [comm.Get_size()] * (args.steps - len(world_sizes))
     diff, reference = check(comm, args, losses, norms, model, world_sizes) if args.check else (None, None)
     if args.trace:
@@ -608,10 +611,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # move the run by far more than rounding; the check counts that preference against its tolerance, so a
 # routing error still fails it. The recipe's schedule it writes apart too, and it clips with torch's
 # clip_grad_norm_, whose return value is its norm (the check compares the norms).
-def reference_training(args, world_sizes, choices=None):
-    """The same steps in one process holding every expert; world_sizes: the ranks of each step (a capacity
+def reference_training(args, world_sizes, choices=None, device=torch.device("cpu")):
+    """The same steps in one process holding every expert, on device (rank 0's); world_sizes: the ranks of each step (a capacity
     is per rank's tokens); choices: each block's ranks' choices by step, which it follows. Returns losses, norms, model."""
-    model = build_model(args)
+    model = build_model(args).to(device)
     for moe, followed in zip(moe_layers(model), choices or [None] * args.layers):
         moe.followed, moe.differed, moe.disagreement = iter(followed or []), 0, 0.0
         moe.forward = lambda x, moe=moe: reference_moe(moe, x, moe.slices)
@@ -619,9 +622,9 @@ def reference_training(args, world_sizes, choices=None):
     for step in range(args.steps):
         for moe in moe_layers(model):
             moe.slices = world_sizes[step]
-        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         optimizer.zero_grad(set_to_none=False)
-        with torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16"):  # as the ranks
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):  # as the ranks
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + sum(m.aux for m in moe_layers(model))
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
@@ -652,14 +655,14 @@ def reference_moe(moe, x, slices):
     """The mixture of experts of one process holding them all, written apart from MoE.forward and
     following the ranks' choices (see the comment above reference_training)."""
     tokens, E, k = x.reshape(-1, x.size(-1)), moe.num_experts, moe.top_k
-    with torch.autocast("cpu", enabled=False):  # the router in float32, as the ranks'
+    with torch.autocast(x.device.type, enabled=False):  # the router in float32, as the ranks'
         probs = torch.softmax(tokens.float() @ moe.router.weight.T, dim=1)
     own, left = [], probs.detach().clone()
     for _ in range(k):  # the largest probability left; argmax takes the lowest index of a tie
         own.append(left.argmax(dim=1))
-        left[torch.arange(len(left)), own[-1]] = -1.0
+        left[torch.arange(len(left), device=left.device), own[-1]] = -1.0
     own = torch.stack(own, dim=1)
-    choice = own if (followed := next(moe.followed, None)) is None else followed  # None: before a resume
+    choice = own if (followed := next(moe.followed, None)) is None else followed.to(own.device)  # None: before a resume
     preferred = (probs.gather(1, own).sum(1) - probs.gather(1, choice).sum(1)).detach().abs()
     moe.differed, moe.disagreement = moe.differed + int((preferred > 0).sum()), max(moe.disagreement, preferred.max().item())
     n = len(tokens) // slices  # each rank's tokens fill every expert's capacity on their own
@@ -668,7 +671,7 @@ def reference_moe(moe, x, slices):
     for pair, e in enumerate(choice.reshape(-1).tolist()):  # in token order, a token's choices in their order
         taken[pair // (n * k), e] += 1
         keep.append(taken[pair // (n * k), e] <= capacity)
-    keep = torch.tensor(keep).view(-1, k)
+    keep = torch.tensor(keep, device=x.device).view(-1, k)
     moe.dropped = moe.dropped + (~keep).sum()
     gates = sum(F.one_hot(choice[:, c], E) * probs.gather(1, choice[:, c:c + 1]) * keep[:, c:c + 1] for c in range(k))
     y = sum(gates[:, e:e + 1] * expert(tokens) for e, expert in enumerate(moe.experts))
@@ -684,16 +687,16 @@ def gather_choices(model, comm, steps):
                                        for block in range(every.size(1))]
 
 def check(comm, args, losses, norms, model, world_sizes=None):
-    """Rank 0 gathers the model and the choices and trains the reference on its CPU (world_sizes: the
+    """Rank 0 gathers the model and the choices and trains the reference on its device (world_sizes: the
     ranks of each step, before a resume too); the others wait without spinning. All get the largest
     difference (losses, gradient norms, parameters, routing) and its counts, the norms' difference last."""
     full, choices, diff, counts = gather_model(model, comm), gather_choices(model, comm, args.steps), None, None
     if comm.Get_rank() == 0:
-        ref_losses, ref_norms, ref_model = reference_training(args, world_sizes or [comm.Get_size()] * args.steps, choices)
+        steps, device = world_sizes or [comm.Get_size()] * args.steps, next(model.parameters()).device  # rank 0's
+        ref_losses, ref_norms, ref_model = reference_training(args, steps, choices, device)
         moes, norm_diff = moe_layers(ref_model), max_difference(norms, {}, ref_norms, ref_model)
         diff = max(max_difference(losses, full, ref_losses, ref_model), norm_diff, *(m.disagreement for m in moes))
-        counts = (int(sum(m.dropped for m in moes)), sum(m.differed for m in moes), max(m.disagreement for m in moes),
-                  norm_diff)
+        counts = (int(sum(m.dropped for m in moes)), sum(m.differed for m in moes), max(m.disagreement for m in moes), norm_diff)
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(POLL_S)

@@ -3,6 +3,7 @@ in both layouts and the three variants, the counts beside their formulas, then t
 import json
 import math
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -264,9 +265,9 @@ def test_kv_messages_are_in_flight_while_blocks_compute_and_not_without_overlap(
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_check_reports_a_nudged_parameter_or_loss_and_nan(precision):
     """Negative control in process: the trained state nudged by 1.5 x the precision's tolerance (a
-    parameter on every rank, or the last loss), or a NaN, must be reported above the tolerance; the
-    last gradient norm nudged by 1.5 x the tolerance of itself too, in fp32 (in bf16 the norms'
-    relative difference stands beside the check, and must show it there)."""
+    parameter on every rank, the last loss or the last gradient norm), or a NaN, must be reported
+    above the tolerance: the norm in the check's largest difference in fp32, beside it in bf16 (the
+    norms' own largest |difference|, which must show it there)."""
     tolerance = limit(precision)
     with sub_comm(2) as comm:
         failures = []
@@ -281,7 +282,7 @@ def test_check_reports_a_nudged_parameter_or_loss_and_nan(precision):
             p[0] -= 1.5 * tolerance
             if not cp.check(comm, args, losses[:-1] + [losses[-1] + 1.5 * tolerance], norms, model)[0] > tolerance:
                 failures.append("loss")
-            nudged = cp.check(comm, args, losses, norms[:-1] + [norms[-1] * (1 + 1.5 * tolerance)], model)
+            nudged = cp.check(comm, args, losses, norms[:-1] + [norms[-1] + 1.5 * tolerance], model)
             if not nudged[0 if precision == "fp32" else 3] > tolerance:
                 failures.append("norm")
             p[0] = math.nan
@@ -349,6 +350,21 @@ def test_the_recipe_equals_one_process_at_every_size_with_the_clip_active():
 
 
 @pytest.mark.mpi
+def test_a_learning_rate_one_step_ahead_fails_the_check(monkeypatch):
+    """A planted off-by-one: the ranks' learning_rate(step + 1) (with one warm-up step, step 0's rate is
+    right: from step 1 the cosine runs one step early). The reference writes its schedule out by itself,
+    so the recipe at N = 2 must FAIL the check."""
+    learning_rate = cp.learning_rate
+    monkeypatch.setattr(cp, "learning_rate", lambda args, step: learning_rate(args, step + 1))
+    with sub_comm(2) as comm:
+        diff = None
+        if comm is not None:
+            args, model, _, _, losses, norms = train(comm, RECIPE)
+            diff = cp.check(comm, args, losses, norms, model)[0]
+        assert agree(comm is None or diff > cp.TOLERANCE), diff
+
+
+@pytest.mark.mpi
 def test_the_norm_of_a_ranks_partial_gradient_fails_the_check_and_splits_the_replicas(monkeypatch):
     """A planted bug: the norm taken before the Allreduce, of the rank's own share of the gradient,
     and the summed gradient clipped by it. With the recipe, the clip active, at N = 2: the check must
@@ -370,7 +386,7 @@ def test_the_norm_of_a_ranks_partial_gradient_fails_the_check_and_splits_the_rep
 
 
 def test_the_schedule_warms_up_then_holds_or_falls_by_a_cosine_towards_a_tenth():
-    """learning_rate against values worked by hand (--lr 1): the reference shares it, so this is its check."""
+    """learning_rate against values worked by hand (--lr 1); the check's reference has its own schedule."""
     def rates(schedule, warmup, steps):
         args = cp.parse_args(["--lr", "1", "--lr-schedule", schedule, "--warmup-steps", str(warmup),
                               "--steps", str(steps)], 1)
@@ -404,6 +420,96 @@ def test_staged_through_host_memory_no_receive_buffer_is_copied_in(cp_comm, monk
             result = (sum(copied), sent - 8 * args.steps)  # before the check, whose reference stages too
             result = (cp.check(comm, args, losses, norms, model)[0], *result)
         assert agree(result is None or (result[0] <= cp.TOLERANCE and result[1] == result[2])), result
+
+
+def test_a_receive_into_gpu_memory_waits_alone_for_the_kernels_queued_before(monkeypatch):
+    """With a CUDA-aware MPI a receive lands in the tensor itself, whose memory kernels queued before
+    may still read (the ring's spare block, or memory the allocator reuses): receive_buffer must wait for them itself (record an event, synchronize
+    it) before handing the tensor over, not count on a send staged beside it. On the CPU a stand-in:
+    a tensor that says it is on a GPU, torch.cuda.Event a recorder. The plant, the former rule (the
+    tensor itself, no event), records nothing and fails; a CPU tensor needs no event."""
+    log = []
+
+    class Event:
+        def record(self, stream=None):
+            log.append("record")
+
+        def synchronize(self):
+            log.append("synchronize")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(cp, "CUDA_AWARE", True)
+    on_gpu, on_cpu = types.SimpleNamespace(is_cuda=True, shape=(2, 3), dtype=torch.float32), torch.zeros(3)
+
+    def events(receive_buffer, t):
+        log.clear()
+        return receive_buffer(t) is t, list(log)
+    former = lambda t: t if not t.is_cuda or cp.CUDA_AWARE else None  # noqa: E731
+    assert events(cp.receive_buffer, on_gpu) == (True, ["record", "synchronize"])
+    assert events(former, on_gpu) == (True, [])
+    assert events(cp.receive_buffer, on_cpu) == (True, [])
+
+
+# --- --ragged: documents of uneven length, the loss over the valid targets of the whole step ------
+def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
+    """Without --ragged the batch is the one drawn before (starts alone); with it, the same text cut
+    after a document of 1 to T characters in each sequence: targets IGNORE and inputs 0 past it."""
+    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
+    data, t = cp.load_text(), 24
+    starts = torch.randint(len(data) - t - 1, (6,), generator=gen).tolist()
+    x, y = cp.make_batch(5, 7, 6, t)
+    assert torch.equal(x, torch.stack([data[o:o + t] for o in starts]))
+    assert torch.equal(y, torch.stack([data[o + 1:o + t + 1] for o in starts]))
+    lengths = torch.randint(1, t + 1, (6,), generator=gen)  # drawn next, from the same generator
+    rx, ry = cp.make_batch(5, 7, 6, t, ragged=True)
+    for row, length in enumerate(lengths.tolist()):
+        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
+        assert (rx[row, length:] == 0).all() and (ry[row, length:] == cp.IGNORE).all()
+    assert len(set(lengths.tolist())) > 1
+
+
+def ragged_counts(args, comm):
+    """Each rank's count of valid targets, step by step: unequal, or the test would prove nothing."""
+    positions = cp.shard_positions(args.seq_len, comm.Get_size(), args.layout)[comm.Get_rank()]
+    return [int((cp.make_batch(args.seed, step, args.batch_size, args.seq_len, True)[1][:, positions]
+                 != cp.IGNORE).sum()) for step in range(args.steps)]
+
+
+@pytest.mark.mpi
+def test_ragged_training_equals_one_process_whose_loss_is_the_mean_over_valid_targets():
+    """--ragged at N = 2, 3, 4 (a layout and variant each; the recipe at N = 2): losses, gradient norms
+    and parameters within TOLERANCE of one process taking F.cross_entropy's mean over the valid targets
+    of the whole batch; the ranks' own counts differ; bytes handed to MPI = the formula (8 more: the
+    count's Allreduce)."""
+    failures = []
+    for size, flags in [(2, ["--layout", "contiguous"] + RECIPE), (3, ["--cp-comm", "allgather"]),
+                        (4, ["--layout", "contiguous", "--cp-comm", "alltoall"])]:
+        with sub_comm(size) as comm:
+            diff = 0.0
+            if comm is not None:
+                args, model, counted, _, losses, norms = train(comm, flags + ["--ragged"])
+                diff = cp.check(comm, args, losses, norms, model)[0]
+                if len({tuple(c) for c in comm.allgather(ragged_counts(args, comm))}) == 1:
+                    failures.append((size, "equal counts"))
+                if sent_per_step(counted, args.steps) != cp.formulas(args, size, sum(p.numel() for p in
+                                                                                    model.parameters()))[0]:
+                    failures.append((size, "bytes", dict(counted.bytes)))
+            if max_everywhere(diff) > cp.TOLERANCE:
+                failures.append((size, "diff", diff))
+    assert agree(not failures), failures
+
+
+@pytest.mark.mpi
+def test_ragged_losses_over_each_ranks_own_count_fail_the_check(monkeypatch):
+    """A planted bug: each rank divides its loss by its own count of valid targets times N (a per-rank
+    mean, averaged: right when the counts are equal, as without --ragged). At N = 2, contiguous (the
+    second half of every sequence has fewer valid targets), the check must FAIL."""
+    monkeypatch.setattr(cp, "valid_targets", lambda y, comm: (y != cp.IGNORE).sum().item() * comm.Get_size())
+    with sub_comm(2) as comm:
+        diff = None
+        if comm is not None:
+            args, model, _, _, losses, norms = train(comm, ["--layout", "contiguous", "--ragged"])
+            diff = cp.check(comm, args, losses, norms, model)[0]
+        assert agree(comm is None or diff > cp.TOLERANCE), diff
 
 
 # --- Checkpoints: saved on one grid (N, --layout, --cp-comm), resumed on another ------------------
@@ -530,8 +636,8 @@ def test_adamw_resumes_on_another_grid_as_the_uninterrupted_run_there(tmp_path_f
 def test_a_schedule_one_step_behind_after_a_resume_differs_from_the_uninterrupted_run(tmp_path_factory, monkeypatch):
     """A planted bug: the resumed run's rates one step behind (learning_rate(step - 1)). Resumed on the
     grid that saved it (which otherwise gives the uninterrupted run bit for bit), its last checkpoint
-    must differ from the uninterrupted run's beyond TOLERANCE. (Not the check's to see: its reference
-    calls learning_rate too, so a plant there would stand on both sides.)"""
+    must differ from the uninterrupted run's beyond TOLERANCE. (The check's reference writes its own
+    schedule: a plant in learning_rate fails the check too, test_a_learning_rate_one_step_ahead_....)"""
     folder = step_2_of(uninterrupted(ZIGZAG_RING, tmp_path_factory, RECIPE), tmp_path_factory)
     learning_rate = cp.learning_rate
     monkeypatch.setattr(cp, "learning_rate", lambda args, step: learning_rate(args, step - 1))

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import types
 
 import pytest
 import torch
@@ -265,6 +266,33 @@ def test_every_buffer_staged_through_a_host_copy_trains_the_same(monkeypatch):
     with sub_comm(2) as comm:
         diff = 0.0 if comm is None else train_and_check(comm, ["--ep", "2"])[0]
         assert max_everywhere(diff) <= ep.TOLERANCE
+
+
+def test_a_receive_into_gpu_memory_waits_alone_for_the_kernels_queued_before(monkeypatch):
+    """With a CUDA-aware MPI a receive lands in the tensor itself, whose memory kernels queued before
+    may still read (memory the caching allocator reuses): receive_buffer must wait for them itself (record an event, synchronize
+    it) before handing the tensor over, not count on a send staged beside it. On the CPU a stand-in:
+    a tensor that says it is on a GPU, torch.cuda.Event a recorder. The plant, the former rule (the
+    tensor itself, no event), records nothing and fails; a CPU tensor needs no event."""
+    log = []
+
+    class Event:
+        def record(self, stream=None):
+            log.append("record")
+
+        def synchronize(self):
+            log.append("synchronize")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(ep, "CUDA_AWARE", True)
+    on_gpu, on_cpu = types.SimpleNamespace(is_cuda=True, shape=(2, 3), dtype=torch.float32), torch.zeros(3)
+
+    def events(receive_buffer, t):
+        log.clear()
+        return receive_buffer(t) is t, list(log)
+    former = lambda t: t if not t.is_cuda or ep.CUDA_AWARE else None  # noqa: E731
+    assert events(ep.receive_buffer, on_gpu) == (True, ["record", "synchronize"])
+    assert events(former, on_gpu) == (True, [])
+    assert events(ep.receive_buffer, on_cpu) == (True, [])
 
 
 @pytest.mark.mpi
