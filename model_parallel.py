@@ -58,8 +58,8 @@ and output (16bsh floats), mean and 1/std (4bs), the softmax (abs^2); bf16: the 
 as bf16 copies, LayerNorms' float32 inputs, the softmax in float32 and a bf16 copy (6abs^2).
 8bs + 8s: token and position indices; A_head: LayerNorm in and out, log-softmax, targets, a scalar.
 
-When to choose it: the model, its gradients and optimizer state do not fit on one device, and simplicity
-matters more than speed; otherwise pipeline it (pipeline_parallel.py) or split each layer (tensor_parallel.py).
+When to choose it: the model, its gradients and optimizer state do not fit on one device, and
+simplicity matters more than speed; otherwise pipeline_parallel.py or tensor_parallel.py.
 
 The network: a GPT-2 style character-level language model trained on the source of Python's own
 argparse.py, textwrap.py and shlex.py, read from this Python's standard library.
@@ -130,6 +130,7 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline, precision="fp32",
     from_mpi (after agree_shapes) stage GPU tensors for an MPI that cannot read GPU memory."""
     rank, n = comm.Get_rank(), comm.Get_size()
     optimizer.zero_grad()  # no gradient memory until backward makes it, while the activations peak
+    valid = valid_targets(y) if rank == n - 1 else 0  # the loss's divisor, counted here
     inp = x
     if rank > 0:  # idle until the previous rank's activations are in
         inp = torch.empty(shapes["act"][0], dtype=shapes["act"][1], device=x.device)
@@ -138,7 +139,8 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline, precision="fp32",
         inp = from_mpi(inp, buffer).requires_grad_()
     with timeline.span("compute", "F"), autocast(x.device, precision), saved:
         out = stage(inp)  # the activations; on the last rank the logits, and then the loss (float32)
-        loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten()) if rank == n - 1 else None
+        loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE,
+                               reduction="sum") / valid if rank == n - 1 else None
     grad = None
     if rank < n - 1:
         grad = torch.empty(shapes["grad"][0], dtype=shapes["grad"][1], device=x.device)
@@ -160,6 +162,15 @@ def train_step(stage, optimizer, x, y, shapes, comm, timeline, precision="fp32",
     with timeline.span("compute", "optimizer"):
         optimizer.step()
     return loss.item() if loss is not None else 0.0, norm
+
+
+def valid_targets(y):
+    """How many targets of y count in the loss: with --ragged, those before their document's end
+    (not IGNORE). The loss of a step is the cross-entropy summed over them divided by their count.
+    The last rank holds every target of the batch, so it counts them itself, with no exchange. A
+    mean per sequence would weigh a token of a short document more than one of a long one: another
+    gradient than one process's."""
+    return int((y != IGNORE).sum())
 
 
 def clip_global_norm(stage, max_norm, comm):
@@ -393,6 +404,9 @@ def activation_bytes(args, rank, n):
 # -----------------------------------------------------------------------------
 # Data: the characters of Python's own source; each batch a function of (seed, step)
 # -----------------------------------------------------------------------------
+IGNORE = -100  # a target past its document's end (--ragged): F.cross_entropy's ignore_index
+
+
 @functools.cache
 def load_text():
     """argparse.py, textwrap.py and shlex.py of this Python, every byte >= 128 made '?'."""
@@ -400,13 +414,19 @@ def load_text():
     return torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long)
 
 
-def make_batch(seed, step, size, seq_len):
-    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+def make_batch(seed, step, size, seq_len, ragged=False):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone.
+    ragged: after the starts, the same generator draws each sequence's document length (1 to
+    seq_len); past it the targets are IGNORE and the inputs 0. Without it nothing more is drawn."""
     data = load_text()
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(len(data) - seq_len - 1, (size,), generator=g).tolist()
     x = torch.stack([data[o:o + seq_len] for o in starts])
     y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    if ragged:
+        lengths = torch.randint(1, seq_len + 1, (size,), generator=g)
+        past = torch.arange(seq_len) >= lengths[:, None]  # the positions after each document's end
+        x, y = x.masked_fill(past, 0), y.masked_fill(past, IGNORE)
     return x, y
 
 
@@ -445,7 +465,8 @@ def train(args, comm, counted, device, stage, optimizer, shapes, timeline, saved
     losses, norms, records, window = [], [], [], (0.0, 0.0)
     for step in range(len(past["losses"]), args.steps):
         start = time.perf_counter()
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        batch = make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged)
+        x, y = (t.to(device) for t in batch)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step)
         loss, norm = train_step(stage, optimizer, x, y, shapes, counted, timeline, args.precision,
@@ -543,7 +564,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
     losses, norms = past["losses"] + all_losses(comm, losses), past["grad_norms"] + norms  # every rank's
-    diff = check(comm, args, losses, norms, stage) if args.check else None
+    diff = check(comm, args, losses, norms, stage, device=run.device) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
     return report(comm, args, run, stage, optimizer, losses, norms, records, counted, diff, window, saved)
@@ -592,15 +613,18 @@ CHECK_TAG = 3  # the stages' parameters sent to rank 0 for the check; the step's
 
 
 # What the reference shares with the ranks, and why each is harmless: build_model and its classes
-# (the network), make_batch, autocast, torch's SGD and AdamW (AdamW's BETAS, EPS, WEIGHT_DECAY) and
-# F.cross_entropy. Its own: the whole model on the whole batch, no stage and no message; the schedule
-# written out step by step; the norm and the clip by torch.nn.utils.clip_grad_norm_, which returns the
-# norm. stage_of only cuts the trained reference to compare each rank's stage with its part; the
-# losses, from the uncut model, show a split that drops or repeats a layer.
-def reference_training(args):
-    """The same steps in one plain process on the CPU: the unsplit model on the whole batch at once.
-    Returns the losses, the trained model and the gradient norms."""
-    model, lr, warmup = build_model(args), args.lr, args.warmup_steps
+# (the network), make_batch (with --ragged its IGNORE targets), autocast, torch's SGD and AdamW
+# (AdamW's BETAS, EPS, WEIGHT_DECAY) and F.cross_entropy. Its own: the whole model on the whole
+# batch, no stage and no message; the loss as F.cross_entropy's own mean over the valid targets (the
+# ranks: a sum divided by valid_targets' count); the schedule written out step by step; the norm and
+# the clip by torch.nn.utils.clip_grad_norm_, which returns the norm. stage_of only cuts the trained
+# reference to compare each rank's stage with its part; the losses, from the uncut model, show a
+# split that drops or repeats a layer.
+def reference_training(args, device=torch.device("cpu")):
+    """The same steps in one plain process on `device` (rank 0's): the unsplit model, built on the CPU
+    from the seed and moved there, on the whole batch at once. Returns the losses, the trained model
+    and the gradient norms."""
+    model, lr, warmup = build_model(args).to(device), args.lr, args.warmup_steps
     optimizer = (torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
                  if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     decay = [lr if args.lr_schedule == "constant" else lr / 10 + 0.5 * (lr - lr / 10) * (
@@ -608,10 +632,10 @@ def reference_training(args):
     schedule = [lr * (k + 1) / warmup for k in range(warmup)] + decay
     losses, norms = [], []
     for step in range(args.steps):
-        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
         optimizer.zero_grad()
-        with autocast(x.device, args.precision):
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        with autocast(device, args.precision):  # the mean over the valid targets, as F.cross_entropy takes it
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
         optimizer.param_groups[0]["lr"] = schedule[step]
@@ -619,17 +643,18 @@ def reference_training(args):
         losses.append(loss.item())
     return losses, model, norms
 
-def check(comm, args, losses, norms, stage, reference=None):
-    """Rank 0 trains the reference on the CPU (or takes `reference`, its losses, model and norms)
+def check(comm, args, losses, norms, stage, reference=None, device=torch.device("cpu")):
+    """Rank 0 trains the reference on its device (or takes `reference`, its losses, model and norms)
     and compares the losses, the gradient norms and every stage, which each rank sends it in turn:
     no other rank holds more than its stage. Every rank gets the largest difference."""
     diff = None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model, ref_norms = reference or reference_training(args)
+        ref_losses, ref_model, ref_norms = reference or reference_training(args, device)
         losses, ref_losses = losses + norms, ref_losses + ref_norms  # the norms count as the losses do
         diff = max_difference(losses, stage.state_dict(), ref_losses, ref_model)
         for r in range(1, comm.Get_size()):
-            state = {name: torch.empty_like(t) for name, t in stage_of(ref_model, r, comm.Get_size()).state_dict().items()}
+            part = stage_of(ref_model, r, comm.Get_size()).state_dict()  # r's part of the reference
+            state = {name: torch.empty_like(t, device="cpu") for name, t in part.items()}  # MPI fills host memory
             for t in state.values():
                 comm.Recv(t, source=r, tag=CHECK_TAG)
             diff = max(diff, max_difference(losses, state, ref_losses, ref_model))
@@ -653,7 +678,10 @@ def print_header(comm, args, run, stage, shapes, resumed):
            f"{len(load_text()):,} characters",
            f"stages: {describe_split(args.layers, n)} | parameters per rank: "
            f"{' '.join(f'{k:,}' for k in stage_params)}",
-           f"global batch {args.batch_size} sequences of {args.seq_len} characters, all through every "
+           f"global batch {args.batch_size} sequences of {args.seq_len} characters"
+           + (f" (--ragged: documents of 1 to {args.seq_len}, the loss a mean over their targets)"
+              if args.ragged else "")
+           + f", all through every "
            f"rank in turn | between stages: {list(shapes['grad'][0]) if n > 1 else 'nothing'} "
            f"{str(shapes['grad'][1]).removeprefix('torch.') if n > 1 else ''}".rstrip(),
            f"{args.optimizer}, lr {args.lr:g}, {args.lr_schedule} after {args.warmup_steps} warm-up step(s) | "
@@ -781,6 +809,8 @@ def parse_args(argv, world_size):
     p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step k at --lr x (k+1) / W")
     p.add_argument("--clip-grad", type=checked(float, lambda v: 0 <= v < math.inf, "a number, 0 or more"),
                    default=0.0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM (0: off)")
+    p.add_argument("--ragged", action="store_true",
+                   help="documents of uneven length: each sequence ends at a drawn length, the targets past it ignored")
     args = check_common(p.parse_args(argv))
     if args.warmup_steps >= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves none of the {args.steps} steps after the "

@@ -11,7 +11,7 @@ whole batch and holds 1/N of every block; the N ranks share each matrix product.
    proj rows             partial sum   partial sum   partial sum   partial sum row-parallel
                             |             |             |             |
       x + bias + sum <- f̄ --+-------------+-------------+-------------+
-   the MLP likewise: LayerNorm, f, fc1 columns (4h/N features each), GELU, fc2 rows, f̄, + bias, + x
+   the MLP likewise: LayerNorm, f, fc1 columns (4h/N each), GELU, fc2 rows, f̄, + bias, + x
 
   f: identity forward, allreduce backward (each rank's backward has only the gradient through its
      own columns); f̄: allreduce forward, identity backward (sums the partial products; the bias is
@@ -19,8 +19,8 @@ whole batch and holds 1/N of every block; the N ranks share each matrix product.
   Embedding: rank r owns a range of the vocabulary, writes zeros for other tokens, f̄ sums. Head:
      f, column-parallel; the cross-entropy takes three allreduces of B x T numbers (maximum,
      target logit, sum of exponentials): the B x T x V logits never exist on one rank.
-  Replicated (checked bitwise equal): LayerNorms, positions, row-parallel biases. Vocabulary: the 128
-     ASCII codes, padded to a multiple of N as Megatron pads; the padding is masked out of the softmax.
+  Replicated (checked bitwise equal): LayerNorms, positions, row-parallel biases. Vocabulary: 128
+     ASCII codes, padded to a multiple of N as Megatron pads; the padding masked out of the softmax.
 
 Sequence parallelism (--sequence-parallel, Korthikanti et al. 2022): between the column- and
 row-parallel regions x is cut along the sequence, rank r holding positions [rT/N, (r+1)T/N):
@@ -37,36 +37,35 @@ row-parallel regions x is cut along the sequence, rank r holding positions [rT/N
 
 Mixed precision (--precision bf16): forward and loss run under torch.autocast(bfloat16): a matmul
 multiplies bf16 copies of the float32 parameters (the master weights; autograd keeps the copies for
-backward); gradients land in float32 on the parameters, the optimizer's state is float32. The stream (the
-residuals, LayerNorms and their statistics), the softmax and the loss's max, target logit and sum
-of exponentials stay float32 (.float() first). MPI's buffers: every sum in float32 (f̄ and ḡ cast
-the bf16 partial products up, f and g the input gradients; MPICH refuses MPI_SUM on bf16). bf16
+backward); gradients land in float32 on the parameters, the optimizer's state is float32. The stream
+(the residuals, LayerNorms and their statistics), the softmax and the loss's max, target logit and
+sum of exponentials stay float32 (.float() first). MPI's buffers: every sum in float32 (f̄ and ḡ
+cast the bf16 partial products up, f and g the input gradients; MPICH refuses MPI_SUM on bf16). bf16
 partials all-gathered and added locally: half the bytes handed in, but (N-1)A/2 received against a
 ring allreduce's 2(N-1)A/N, no fewer from N = 4 on, and N copies held. Moves carry bf16: g's
 all-gather (X cast before it), ḡ's backward one in the blocks (the embedding's is float32: a
 lookup). Gradients are reduced in float32 (Megatron's default): bf16 would halve their bytes and
 memory, but round as many small partial sums add up, and MPI could not add them.
 Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's
-inputs by save_for_backward, where the saved-tensor hooks that measure activations count them (the
-non-reentrant form keeps them out of their sight), runs fn without autograd, and again in backward
-under the forward's autocast state. selective: attention's core (scores, mask, softmax, times V:
-what grows with T²), q, k, v kept (Korthikanti et al.); full: each block from its input alone, its
-forward's f̄ (ḡ and g) run again in backward.
-The recipe (--optimizer adamw, --clip-grad, --lr-schedule cosine, --warmup-steps; nanoGPT's): the learning
-rate is the step's alone; the clip needs the whole gradient's norm, each parameter counted once: the slices'
-squares from every rank, the replicated parameters' from rank 0 alone, summed by one allreduce (global_grad_norm).
+inputs by save_for_backward, where the hooks that measure activations see them (the non-reentrant
+form hides them), runs fn without autograd, and again in backward under the forward's autocast
+state. selective: attention's core (scores, mask, softmax, times V: what grows with T²), q, k, v
+kept (Korthikanti et al.); full: each block from its input alone, its f̄ (ḡ and g) run again.
+The recipe (--optimizer adamw, --clip-grad, --lr-schedule cosine, --warmup-steps; nanoGPT's): the
+lr is the step's alone; the clip needs the whole gradient's norm, each parameter counted once: the
+slices' squares from every rank, the replicas' from rank 0 alone, one allreduce (global_grad_norm).
 
 Communication per step (L blocks, B sequences of T characters, hidden h, A = 4BTh bytes, e = 4
 bytes an element in float32, 2 in bf16):
   plain: 4L + 5 collectives, the paper's two allreduces of A forward (f̄) and two backward (f) per
      block, one each for the embedding and the head, 3 of 4BT for the loss: (4L + 2)A + 12BT bytes
-     handed to MPI in float32 and bf16 alike, of which a ring moves 2(N-1)/N in and out of each rank.
+     handed to MPI in float32 and bf16 alike, of which a ring moves 2(N-1)/N in and out of a rank.
   sequence parallel: 8L + 8: 4L + 2 reduce-scatters handing in A (a ring moves (N-1)/N x A each),
-     4L + 1 all-gathers handing in eA/4N and the embedding's backward one A/N (a ring moves N-1 times
+     4L + 1 all-gathers handing in eA/4N, the embedding's backward one A/N (a ring moves N-1 times
      that), the loss's 3, one allreduce of 4(6L + 2 + T)h bytes of replicated gradients.
   --regather: 2L + 1 all-gathers of eA/4N more; --recompute full: 2L allreduces of A more (sequence
-     parallel: 2L reduce-scatters of A, 2L all-gathers of eA/4N). Bytes grow with B and T, not weights.
-  --clip-grad: the norm's allreduce of 4 bytes, 1 more (without a clip the norm is a report, not counted).
+     parallel: 2L reduce-scatters of A, 2L all-gathers of eA/4N). Bytes grow with BT, not weights.
+  --clip-grad: the norm's allreduce of 4 bytes, 1 more (no clip: the norm is a report, not counted).
 Activations saved for backward, per block and rank (bytes; no dropout; Korthikanti et al.'s bf16
 sbh(10 + 24/t + 5as/(ht)) and (sbh/t)(34 + 5as/h) become, with s, b, a, t = T, B, heads, N and the
 stream in float32, S = 4aBT²/N for the float32 softmax, 6aBT²/N in bf16 with its bf16 copy):
@@ -82,8 +81,9 @@ The text: this Python's own argparse.py, textwrap.py and shlex.py, bytes >= 128 
 
 Run:  mpirun -np 4 python tensor_parallel.py [--sequence-parallel [--regather]]    (--help: flags)
 """
-import argparse, collections, contextlib, ctypes, errno, functools, hashlib, importlib.util, io, json  # noqa: E401
-import math, os, pickle, re, shutil, signal, statistics, sys, time, traceback, types, zlib  # noqa: E401
+import argparse, collections, contextlib, ctypes, errno, functools, hashlib  # noqa: E401
+import importlib.util, io, json, math, os, pickle, re, shutil, signal, statistics, sys  # noqa: E401
+import time, traceback, types, zlib  # noqa: E401
 
 import torch
 import torch.nn as nn
@@ -96,12 +96,12 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "tensor_parallel"
-# Largest |difference| allowed against single-process training (float32): only float32 sums are reordered.
-# Measured after 100 steps at N = 2 to 4, plain or --sequence-parallel: 6e-7 to 1e-6 (plain, 300 steps: 2e-6;
-# AdamW: make_optimizer). A nudge of 1.5x it to any parameter, loss or norm is reported above it (the tests).
+# Largest |difference| allowed against one process (float32), where only float32 sums reorder.
+# Measured after 100 steps at N = 2 to 4, plain or cut: 6e-7 to 1e-6 (plain, 300 steps: 2e-6; AdamW:
+# make_optimizer). A nudge of 1.5x it to any parameter, loss or norm is reported above it (tests).
 TOLERANCE = 2e-5
-# bf16, both sides under autocast: 5e-4 to 9e-4 after the tests' 4 steps at N = 1 to 4, any mode or recompute;
-# default model, 50 steps, batch 8: 4.3e-3 to 8.5e-3 at N = 1 to 4 (most: N = 4, cut). Gradients / N: 5.6e-2.
+# bf16 (both sides autocast) at N = 1 to 4: 5e-4 to 9e-4 in the tests' 4 steps, any mode, recompute;
+# 4.3e-3 to 8.5e-3 after 50 default steps, batch 8 (most: N = 4, cut). Gradients / N: 5.6e-2.
 TOLERANCE_BF16 = 2e-2
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 VOCAB = 128  # the ASCII codes
@@ -110,9 +110,9 @@ PROMPT, TEMPERATURE = "def ", 0.8  # how the sample at the end starts, and how a
 
 
 # -----------------------------------------------------------------------------
-# The strategy: f and f̄ (g and ḡ), the column- and row-parallel layers, the vocabulary-parallel ones
+# The strategy: f, f̄ (g, ḡ), the column- and row-parallel layers, the vocabulary-parallel ones
 # -----------------------------------------------------------------------------
-# MPI reads GPU memory only when CUDA-aware (setup() finds out), else via a host copy; on the CPU: nothing to do.
+# MPI reads GPU memory if CUDA-aware (setup() finds out), else a host copy; on the CPU: nothing.
 CUDA_AWARE = False
 
 
@@ -152,7 +152,7 @@ def allreduce(t, comm, op=MPI.SUM):
 
 
 def sequence_blocks(x, comm):
-    """x (B x T x ...) as N contiguous blocks of T/N positions, rank order: how MPI cuts a buffer."""
+    """x (B x T x ...) as N blocks of T/N positions in rank order: how MPI cuts a buffer."""
     return x.detach().unflatten(1, (comm.Get_size(), -1)).transpose(0, 1).contiguous()
 
 
@@ -174,22 +174,22 @@ def reduce_scatter_sequence(x, comm):
 
 
 # The tensor-parallel ranks and how they run; the timeline marks the weight-gradient matmuls.
-Group = collections.namedtuple("Group", "comm timeline sequence_parallel regather overlap recompute precision",
-                               defaults=(False, False, True, "none", "fp32"))
+Group = collections.namedtuple("Group", "comm timeline sequence_parallel regather overlap recompute"
+                               " precision", defaults=(False, False, True, "none", "fp32"))
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
     """f̄ after a row-parallel layer: allreduce forward (the partial products add up to the output),
-    identity backward (every rank holds its gradient whole). With the sequence cut, ḡ: reduce-scatter
-    forward (each rank keeps its positions), all-gather backward (the products need all of them).
-    bf16 partial products are cast up and summed in float32 (MPI has no bf16 sum); the gradient
-    goes back in x's dtype, so ḡ's all-gather carries bf16 in bf16."""
+    identity backward (every rank holds its gradient whole). With the sequence cut, ḡ:
+    reduce-scatter forward (each rank keeps its positions), all-gather backward (the products need
+    all of them). bf16 partial products are cast up and summed in float32 (MPI has no bf16 sum); the
+    gradient goes back in x's dtype, so ḡ's all-gather carries bf16 in bf16."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.dtype = group, x.dtype
         x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        return reduce_scatter_sequence(x, group.comm) if group.sequence_parallel else allreduce(x, group.comm)
+        return (reduce_scatter_sequence if group.sequence_parallel else allreduce)(x, group.comm)
 
     @staticmethod
     def backward(ctx, dy):
@@ -199,10 +199,10 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
 def start_input_gradient_sum(partial, group):
     """Start summing the ranks' input gradients, non-blocking: f's allreduce, or g's reduce-scatter
-    (each rank keeps its positions). Returns the sum's tensor, MPI's buffers and the request. Whether the
-    bytes move before the Wait is the MPI's doing: MPICH without asynchronous progress (the pip wheel's
-    default) moves them only inside MPI calls, so here mostly at the Wait; with MPIR_CVAR_ASYNC_PROGRESS=1
-    they can travel during the weight-gradient matmul."""
+    (each rank keeps its positions). Returns the sum's tensor, MPI's buffers and the request.
+    Whether the bytes move before the Wait is the MPI's doing: MPICH without asynchronous progress
+    (the pip wheel's default) moves them only inside MPI calls, so here mostly at the Wait; with
+    MPIR_CVAR_ASYNC_PROGRESS=1 they can travel during the weight-gradient matmul."""
     if group.sequence_parallel:
         send = mpi_buffer(sequence_blocks(partial, group.comm), nonblocking=True)
         total = partial.new_empty(send.shape[1:])
@@ -233,8 +233,8 @@ class ColumnParallelMatmul(torch.autograd.Function):
         saved, weight = ctx.saved_tensors
         group = ctx.group
         whole = all_gather_sequence(saved, group.comm) if group.regather else saved
-        partial = dy.matmul(weight.to(dy.dtype)).float()  # through this rank's columns alone; summed in fp32
-        exchange = start_input_gradient_sum(partial, group) if group.overlap else None  # posted first
+        partial = dy.matmul(weight.to(dy.dtype)).float()  # its columns' share; summed in fp32
+        exchange = start_input_gradient_sum(partial, group) if group.overlap else None  # first
         with group.timeline.span("compute", "weight grad"):  # then the matmul it may hide behind
             dy = dy.reshape(-1, dy.size(-1))
             grad_weight = dy.t().matmul(whole.reshape(-1, whole.size(-1)))
@@ -248,7 +248,8 @@ def sliced(t, dim, comm, groups=1):
     """This rank's slice of t along dim, as a parameter; groups=3: t is q, k and v side by side,
     and the rank keeps the same slice of each (its heads)."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
-    p = nn.Parameter(torch.cat([part.chunk(world_size, dim)[rank] for part in t.detach().chunk(groups, dim)], dim))
+    parts = [part.chunk(world_size, dim)[rank] for part in t.detach().chunk(groups, dim)]
+    p = nn.Parameter(torch.cat(parts, dim))
     p.partition = (dim, groups)  # replicated parameters have none; the check joins the slices by it
     return p
 
@@ -294,7 +295,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.start + self.weight.size(0))
         rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
-        return ReduceFromTensorParallel.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return ReduceFromTensorParallel.apply(rows.masked_fill(outside[..., None], 0), self.group)
 
 
 class PositionsOfTheSlice(nn.Module):
@@ -337,8 +338,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def shard_block(block, group):
-    """Megatron's block, in place: attention f -> qkv columns (its heads) -> proj rows -> f̄, MLP f ->
-    fc1 columns -> GELU -> fc2 rows -> f̄ (g and ḡ with the sequence cut). Block.forward is unchanged."""
+    """Megatron's block, in place: attention f -> qkv columns (its heads) -> proj rows -> f̄, MLP f
+    -> fc1 columns -> GELU -> fc2 rows -> f̄ (g, ḡ with the sequence cut); forward unchanged."""
     block.recompute = group.recompute  # --recompute: what backward computes again (Block.forward)
     block.qkv = ColumnParallelLinear(block.qkv.weight, block.qkv.bias, group, groups=3)  # q, k, v
     block.proj = RowParallelLinear(block.proj, group)
@@ -371,22 +372,22 @@ def sum_partial_gradients(model, comm):
 
 
 def global_grad_norm(model, comm):
-    """The norm of the whole model's gradient in float32, each parameter counted once. The N ranks hold the
-    model once between them: every rank adds the squares of its slices (the padding rows' gradient is zero),
-    rank 0 alone those of the replicated parameters (equal on every rank, summed first with the sequence cut),
-    and one allreduce of that float32 over the N ranks sums them: the same norm, and clip, on every rank.
-    Counted on every rank, the replicas would count N times (the bug of Megatron-LM's #5916 and #6470)."""
+    """The norm of the whole model's gradient in float32, each parameter counted once. The N ranks
+    hold the model once between them: every rank adds the squares of its slices (the padding rows'
+    gradient is zero), rank 0 alone those of the replicated parameters (equal on every rank; summed
+    first if the sequence is cut), and one allreduce sums them: the same norm, and clip, on every
+    rank. Counted on every rank, the replicas would count N times (Megatron-LM's #5916, #6470)."""
     held = [p for p in model.parameters() if hasattr(p, "partition") or comm.Get_rank() == 0]
     squares = torch.stack([p.grad.float().square().sum() for p in held]).sum().reshape(1)
     return allreduce(squares, comm).sqrt().item()  # the same on every rank
 
 
 def train_step(model, optimizer, x, y, group, meter, max_norm=0.0, norm_comm=None):
-    """One step: every rank the whole batch, its slice of every layer; meter counts activations. The
-    gradients clipped to the global norm max_norm (0: not). Returns the loss and the norm, before the clip."""
+    """One step: every rank the whole batch, its slice of every layer; meter counts activations; the
+    gradients are clipped to max_norm (0: not). Returns the loss and the global norm, unclipped."""
     optimizer.zero_grad()
     bf16 = torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=group.precision == "bf16")
-    with group.timeline.span("compute", "forward"), meter, bf16:  # bf16: matmuls on bf16 copies of the weights
+    with group.timeline.span("compute", "forward"), meter, bf16:  # matmuls on weights' bf16 copies
         loss = VocabParallelCrossEntropy.apply(model(x), y, group.comm)
     with group.timeline.span("compute", "backward"):
         loss.backward()
@@ -410,7 +411,7 @@ def attend(qkv, heads):
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
     future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
-    weights = scores.float().masked_fill(future, float("-inf")).softmax(dim=-1)  # float32, bf16 or not
+    weights = scores.float().masked_fill(future, float("-inf")).softmax(dim=-1)  # float32 always
     return (weights @ v).transpose(1, 2).reshape(b, t, c)
 
 
@@ -422,15 +423,17 @@ class Block(nn.Module):
     def __init__(self, hidden, heads):
         super().__init__()
         self.heads = heads
-        self.ln1, self.qkv = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden)  # q, k, v side by side
+        self.ln1, self.qkv = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden)  # q, k, v stacked
         self.proj = nn.Linear(hidden, hidden)
         self.ln2, self.fc1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
-        qkv, selective = self.qkv(self.ln1(x)), self.recompute == "selective" and torch.is_grad_enabled()
-        core = checkpoint(attend, qkv, self.heads, use_reentrant=True) if selective else attend(qkv, self.heads)
-        x = x + self.proj(core)  # selective: only q, k, v kept; the scores and softmax computed again
+        qkv = self.qkv(self.ln1(x))  # selective: only q, k, v kept; the scores, softmax recomputed
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            x = x + self.proj(checkpoint(attend, qkv, self.heads, use_reentrant=True))
+        else:
+            x = x + self.proj(attend(qkv, self.heads))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
@@ -464,13 +467,13 @@ def build_model(args, device="cpu"):
 
 
 def make_optimizer(args, parameters):
-    """--optimizer: SGD with momentum 0.9 (the default), or AdamW (float32 moments, weight decay on every
-    parameter), its two moments cut as the parameters are: 8 bytes for each one a rank holds. AdamW's
-    m / sqrt(v) makes the rounding in tiny gradients steps of order lr. Measured against one process:
-    1.0e-6 to 1.4e-6 at lr 1e-3 after 50 default steps (N = 2, 4, clip 1); the tests' tiny model, 3 steps:
-    3.5e-6 at lr 1e-3, 2.7e-5 to 4.5e-5 at 1e-2 (above TOLERANCE), 5e-4 at 0.1."""
+    """--optimizer: SGD with momentum 0.9 (the default), or AdamW (float32 moments, weight decay on
+    every parameter), its two moments cut as the parameters are: 8 bytes for each one a rank holds.
+    AdamW's m / sqrt(v) makes the rounding in tiny gradients steps of order lr. Measured against one
+    process: 1.0e-6 to 1.4e-6 at lr 1e-3 after 50 default steps (N = 2, 4, clip 1); the tests' tiny
+    model, 3 steps: 3.5e-6 at lr 1e-3, 2.7e-5 to 4.5e-5 at 1e-2 (above TOLERANCE), 5e-4 at 0.1."""
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        return torch.optim.AdamW(parameters, args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     return torch.optim.SGD(parameters, lr=args.lr, momentum=0.9)
 
 
@@ -507,12 +510,12 @@ def make_batch(seed, step, size, seq_len):
 # The run: the step loop, the sample, and main() as a table of contents
 # -----------------------------------------------------------------------------
 def learning_rate(args, step):
-    """A linear warm-up over --warmup-steps W, then --lr, or a cosine from it down towards lr / 10 at
-    --steps: a function of the step alone, so that a resumed run goes on where it was."""
+    """A linear warm-up over --warmup-steps W, then --lr, or a cosine from it down towards lr / 10
+    at --steps: a function of the step alone, so that a resumed run goes on where it was."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    low, progress = args.lr / 10, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    cosine = low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))  # lr at progress 0, lr / 10 at 1
+    low, progress = args.lr / 10, (step - args.warmup_steps) / (args.steps - args.warmup_steps)
+    cosine = low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))  # lr to lr / 10
     return args.lr if args.lr_schedule == "constant" else cosine
 
 
@@ -520,18 +523,18 @@ def train(args, comm, device, model, optimizer, group, meter, past=((), ())):
     """The steps after the `past` ones (losses and gradient norms from a checkpoint): every step's
     loss and norm, the same on every rank, and the new steps' timings."""
     (losses, norms), records = map(list, past), []
-    norm_comm = group.comm if args.clip_grad else comm  # without a clip the norm is a report: not counted
+    norm_comm = group.comm if args.clip_grad else comm  # no clip: the norm is a report, not counted
     for step in range(len(losses), args.steps):
         start = time.perf_counter()
-        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
         for settings in optimizer.param_groups:
             settings["lr"] = learning_rate(args, step)
-        loss, norm = train_step(model, optimizer, x.to(device), y.to(device), group, meter, args.clip_grad, norm_comm)
+        loss, norm = train_step(model, optimizer, x, y, group, meter, args.clip_grad, norm_comm)
         losses.append(loss), norms.append(norm), records.append(group.timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print_progress_and_norm(comm, args, step, loss, norm, records[-1])
-        checkpoint_if_due(comm, args, step, lambda: tensor_parallel_shard(comm, args, model, optimizer, losses, norms),
-                          model_config(args))
+            print_progress(comm, args, step, loss, records[-1], norm)
+        pieces = lambda: tensor_parallel_shard(comm, args, model, optimizer, losses, norms)
+        checkpoint_if_due(comm, args, step, pieces, model_config(args))
     return losses, norms, records
 
 
@@ -542,17 +545,17 @@ def generate(model, comm, args, device):
     one number per character of the vocabulary, so the text depends on the seed alone; each adds
     its columns' share, and two max-allreduces find the best score and its column."""
     gen = torch.Generator().manual_seed(args.seed)
-    text, world_size = list(PROMPT.encode()), comm.Get_size()
+    text, n = list(PROMPT.encode()), comm.Get_size()
     for _ in range(args.sample_chars):
-        window = text[-args.seq_len:]  # with the sequence cut, padded to N equal slices at the end,
-        padding = [0] * (-len(window) % world_size if args.sequence_parallel else 0)  # unseen by causal attention
+        window = text[-args.seq_len:]  # the sequence cut wants N equal slices: padded at the end,
+        padding = [0] * (-len(window) % n if args.sequence_parallel else 0)  # never attended to
         logits = model(torch.tensor([window + padding], device=device))[0, len(window) - 1].float()
         per, start = logits.numel(), comm.Get_rank() * logits.numel()
-        noise = F.pad(-torch.empty(VOCAB).exponential_(generator=gen).log(), (0, per * world_size - VOCAB))
+        noise = F.pad(-torch.empty(VOCAB).exponential_(generator=gen).log(), (0, per * n - VOCAB))
         score = logits / TEMPERATURE + noise[start:start + per].to(device)
         score[torch.arange(start, start + per, device=device) >= VOCAB] = float("-inf")
         best = allreduce(score.max().reshape(1), comm, MPI.MAX)
-        column = start + score.argmax() if score.max() == best[0] else torch.tensor(-1, device=device)
+        column = torch.where(score.max() == best[0], start + score.argmax(), -1)
         text.append(int(allreduce(column.reshape(1).clone(), comm, MPI.MAX)[0]))
     return "".join(chr(c) if chr(c).isprintable() or c == 10 else "?" for c in text)
 
@@ -563,15 +566,15 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         args = parse_args(argv, comm.Get_size())
         check_paths(comm, args)
         run = setup(comm, args)
-        counted = CountedComm(comm, run.timeline)  # every exchange of the strategy, counted and timed
-        group = Group(counted, run.timeline, args.sequence_parallel, args.regather, not args.no_overlap,
-                      args.recompute, args.precision)
+        counted = CountedComm(comm, run.timeline)  # every exchange counted and timed
+        group = Group(counted, run.timeline, args.sequence_parallel, args.regather,
+                      not args.no_overlap, args.recompute, args.precision)
         model, optimizer, full_params = sharded_model(args, group, run.device)
         past, resumed = ((), ()), None
         if args.resume:  # any world size: each rank asks for the blocks of the slices it holds now
-            resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
-                                              lambda manifest: blocks_held(model, optimizer, comm), args.steps)
-            past = restore(comm, model, optimizer, resumed, blocks) if blocks is not None else ((), ())
+            held = lambda manifest: blocks_held(model, optimizer, comm)
+            resumed, blocks = load_checkpoint(comm, args.save, model_config(args), held, args.steps)
+            past = restore(comm, model, optimizer, resumed, blocks) if blocks is not None else past
         print_header(comm, args, run, model, full_params, resumed)
         meter = SavedActivations(model)
         run.memory.reset()  # the peak of training, not that of building the model
@@ -582,12 +585,13 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         return e.status
     traffic = dict(counted.calls), dict(counted.bytes)  # of training; the sample below adds its own
     if len(set(comm.allgather(replicated_checksum(model)))) != 1:
-        raise RuntimeError("replicated parameters (LayerNorm, positions, biases) differ across ranks")
+        raise RuntimeError("replicated parameters (LayerNorm, positions, biases) differ by rank")
     sample = generate(model, comm, args, run.device) if args.sample_chars else None
-    diff = check(comm, args, losses, norms, model) if args.check else None
+    diff = check(comm, args, losses, norms, model, run.device) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, model, full_params, losses, norms, records, traffic, meter, sample, diff)
+    return report(comm, args, run, model, full_params, losses, norms, records,
+                  traffic, meter, sample, diff)
 
 
 # =============================================================================
@@ -602,23 +606,28 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # build_model (the network; shard_model swaps its linears and token embedding for the parallel
 # layers, and Block.forward on a rank's 1/N of the heads must add up to all of them, which is
 # what is checked), make_batch, make_optimizer (torch's SGD or AdamW: the recipe's settings stand on
-# both sides) and learning_rate (tested alone against its values). Its own: nn.Linear, nn.Embedding,
-# F.cross_entropy on whole logits, the norm and the clip of torch.nn.utils.clip_grad_norm_ (which
-# returns the norm); never a parallel layer at size 1, f, f̄, g, ḡ, the vocabulary-parallel loss or
-# global_grad_norm. join_slices undoes the cut with its own code (cat of chunks), and the losses and
-# norms, compared first, come from the uncut model: a wrong cut changes what the ranks train.
-def reference_training(args):
-    """The same steps and recipe in one plain process on the CPU, which holds what no device of the job may."""
-    model = build_model(args)
+# both sides). Its own: nn.Linear, nn.Embedding, F.cross_entropy on whole logits, the schedule
+# written out step by step (not learning_rate: a bug there shows), the norm and the clip of
+# torch.nn.utils.clip_grad_norm_ (which returns the norm); never a parallel layer at size 1, f, f̄,
+# g, ḡ, the vocabulary-parallel loss or global_grad_norm. join_slices undoes the cut with its own
+# code (cat of chunks), and the losses and norms, compared first, come from the uncut model: a wrong
+# cut changes what the ranks train.
+def reference_training(args, device=torch.device("cpu")):
+    """The same steps and recipe in one plain process on `device` (rank 0's): the whole model, built on the
+    CPU from the seed and moved there, on the whole batch."""
+    model, lr, warmup = build_model(args, device), args.lr, args.warmup_steps
     optimizer, losses, norms = make_optimizer(args, model.parameters()), [], []
+    decay = [lr if args.lr_schedule == "constant" else lr / 10 + 0.5 * (lr - lr / 10) * (
+        1 + math.cos(math.pi * k / max(1, args.steps - warmup))) for k in range(args.steps - warmup)]
+    schedule = [lr * (k + 1) / warmup for k in range(warmup)] + decay  # written out, not learning_rate's
     for step in range(args.steps):
-        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
-        optimizer.param_groups[0]["lr"] = learning_rate(args, step)  # its one group
+        optimizer.param_groups[0]["lr"] = schedule[step]  # its one group
         optimizer.step()
         losses.append(loss.item())
     return losses, norms, model
@@ -639,13 +648,12 @@ def gather_model(model, comm, root=0):
         full[name] = local
     return full if comm.Get_rank() == root else None
 
-def check(comm, args, losses, norms, model):
-    """Rank 0 gathers the slices, trains the reference on its CPU (the others wait, not spinning): the max |diff|."""
+def check(comm, args, losses, norms, model, device=torch.device("cpu")):
+    """Rank 0 gathers the slices, trains the reference on its device (the others wait, not spinning): the max |diff|."""
     full, diff = gather_model(model, comm), None
     if comm.Get_rank() == 0:
-        ref_losses, ref_norms, ref_model = reference_training(args)
-        ref = ref_model.state_dict()  # without the vocabulary's padding rows, no part of the network
-        full = {name: t.narrow(0, 0, ref[name].size(0)) for name, t in full.items()}
+        ref_losses, ref_norms, ref_model = reference_training(args, device)  # less the padding rows, below
+        full = {name: t.narrow(0, 0, ref_model.get_parameter(name).size(0)) for name, t in full.items()}
         diff = max_difference(losses + norms, full, ref_losses + ref_norms, ref_model)  # norms count as losses
     request = comm.Ibarrier()
     while not request.Test():
@@ -804,10 +812,6 @@ def print_header(comm, args, run, model, full_params, resumed):
            f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes"
            + (f", padded to {padded} (a multiple of {world_size}, as Megatron pads; the padding is "
               f"masked out of the softmax)" if padded != VOCAB else ""))
-
-def print_progress_and_norm(comm, args, step, loss, norm, times):  # print_progress's line, the norm after the loss
-    print0(comm, f"step {step + 1}/{args.steps} | loss {loss:.4f} | norm {norm:.4f} | {times['step_s'] * 1e3:.1f} "
-                 f"ms/step | comm {times['comm_s'] * 1e3:.1f} ms | idle {100 * times['idle_s'] / times['step_s']:.0f}%")
 
 def report(comm, args, run, model, full_params, losses, norms, records, traffic, meter, sample, diff):
     """The file's summary lines and --json keys, then finish(); returns the exit status."""

@@ -448,9 +448,9 @@ def test_training_in_every_mode_equals_single_process_training(size, precision, 
     before its weight-gradient matmul began and waited for after it ended, none with --no-overlap."""
     real, kept = tp.reference_training, []
 
-    def reference_once(args):  # one process trains alike whatever the modes' flags
+    def reference_once(args, device=CPU):  # one process trains alike whatever the modes' flags
         if not kept:
-            kept.append(real(args))
+            kept.append(real(args, device))
         return kept[0]
     monkeypatch.setattr(tp, "reference_training", reference_once)
 
@@ -575,7 +575,7 @@ def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance(precision
             model, optimizer, _ = tp.sharded_model(args, group, CPU)
             losses, norms, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
             reference = tp.reference_training(args)
-            monkeypatch.setattr(tp, "reference_training", lambda args: reference)  # train it once
+            monkeypatch.setattr(tp, "reference_training", lambda args, device=CPU: reference)  # train it once
 
             def nudged(p, value):
                 """The check's report with p's first element (on the ranks that hold it) set to value."""
@@ -882,6 +882,18 @@ def test_the_schedule_warms_up_then_holds_or_falls_by_a_cosine_towards_a_tenth()
     args.warmup_steps, args.lr_schedule = 0, "cosine"  # no warm-up: the cosine from step 0, at lr
     cosine = [1, 0.9140576, 0.6890576, 0.4109424, 0.1859424]
     assert [tp.learning_rate(args, s) for s in range(5)] == pytest.approx(cosine)
+
+
+@pytest.mark.mpi
+def test_a_schedule_one_step_off_fails_the_check(monkeypatch):
+    """Negative control: learning_rate planted one step behind (step 0 of the warm-up at lr 0, every later
+    step at its predecessor's lr). The reference writes the schedule out by itself, not by learning_rate,
+    so the bug stands on one side alone and the check FAILs at N = 2 (exit 1; measured 0.35, where a
+    reference that called learning_rate, sharing the bug, measured 2.4e-7 and passed)."""
+    real = tp.learning_rate
+    monkeypatch.setattr(tp, "learning_rate", lambda args, step: real(args, step - 1))
+    status, run, out = recipe_run(2)
+    assert status == 1 and "-> FAIL" in out and run["check_max_abs_diff"] > 100 * tp.TOLERANCE, out
 
 
 @pytest.mark.mpi
