@@ -8,6 +8,7 @@ after every in-process test (see conftest.py), with the MPI environment removed 
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -148,3 +149,12 @@ def assert_refused(result, words):
     assert len(lines) == 1 and words in lines[0], result.stderr
     assert "Traceback" not in result.stderr and result.stdout == "", result.stdout + result.stderr
     return lines[0]
+
+
+def step_2_of(folder, tmp_path_factory):
+    """A new folder that holds only the checkpoint of step 2 of `folder` (rank 0 copies it)."""
+    copy = None
+    if world().Get_rank() == 0:
+        copy = tmp_path_factory.mktemp("resumed")
+        shutil.copytree(Path(folder) / "step-000002", copy / "step-000002")
+    return world().bcast(str(copy), root=0)

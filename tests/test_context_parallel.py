@@ -2,7 +2,6 @@
 in both layouts and the three variants, the counts beside their formulas, then the script as launched."""
 import json
 import math
-import shutil
 import types
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 import context_parallel as cp
-from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
+from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, step_2_of, sub_comm, world
 
 CPU = torch.device("cpu")
 VARIANTS = [("ring", True), ("ring", False), ("allgather", True), ("alltoall", True)]  # (--cp-comm, overlap)
@@ -532,15 +531,6 @@ def uninterrupted(grid, tmp_path_factory, recipe=()):
             assert agree(status == 0)
         UNINTERRUPTED[(grid, *recipe)] = folder
     return UNINTERRUPTED[(grid, *recipe)]
-
-
-def step_2_of(folder, tmp_path_factory):
-    """A new folder that holds only the checkpoint of step 2 of `folder` (rank 0 copies it)."""
-    copy = None
-    if world().Get_rank() == 0:
-        copy = tmp_path_factory.mktemp("resumed")
-        shutil.copytree(Path(folder) / "step-000002", copy / "step-000002")
-    return world().bcast(str(copy), root=0)
 
 
 def latest_checkpoint(folder):

@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import shutil
 import types
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 import model_parallel as mp
-from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
+from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, step_2_of, sub_comm, world
 
 TINY = ["--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "6", "--steps", "3",
         "--seed", "5"]
@@ -365,15 +364,6 @@ def uninterrupted(size, tmp_path_factory, flags=()):
             assert agree(status == 0)
         UNINTERRUPTED[size, flags] = folder
     return UNINTERRUPTED[size, flags]
-
-
-def step_2_of(folder, tmp_path_factory):
-    """A new folder that holds only the checkpoint of step 2 of `folder` (rank 0 copies it)."""
-    copy = None
-    if world().Get_rank() == 0:
-        copy = tmp_path_factory.mktemp("resumed")
-        shutil.copytree(Path(folder) / "step-000002", copy / "step-000002")
-    return world().bcast(str(copy), root=0)
 
 
 def latest_checkpoint(folder):
