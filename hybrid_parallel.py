@@ -58,33 +58,35 @@ positions, row-parallel biases), Sh + (5 + X)Lh + 2h with experts (the routers);
   ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each bucket
             (still posted in backward) and an Allgather of the updated parameters after the step: 2 collectives per
             bucket, 4W'(D x C + 1) + 4W_x'(D x C + E) bytes, W' = W padded bucket by bucket to a multiple of the n
-            ranks that sum it (n = D x C; D x C / E for W_x'); rank r of n steps and keeps the momentum of slice r.
+            ranks that sum it (n = D x C; D x C / E for W_x'); rank r of n steps slice r and keeps its optimizer state.
+  the norm: one 4-byte Allreduce over all ranks a step (global_grad_norm), outside the axes' counts above.
+The recipe (nanoGPT's): --optimizer sgd (momentum 0.9) or adamw (two float32 moments), --clip-grad to the global
+gradient norm, --lr-schedule constant or cosine (down to lr/10) after --warmup-steps of linear warm-up.
 Mixed precision (--precision bf16): forward and loss under torch.autocast(bfloat16), on the ranks and in --check's one
 process: matmuls on bf16 copies of the float32 master weights; gradients add up and are reduced in float32 (Megatron's
-default; bf16 would halve the data axis's bytes but round small terms away, and MPI cannot sum bf16), as the momentum.
-Float32 too: the residual stream, LayerNorm, softmax, the ring's scores, lse and merge, the loss, every sum handed to
-MPI. What only moves is bf16: the pipeline's activations and gradients, K/V round the ring, the sequence-parallel gathers.
+default; bf16 would halve the data axis's bytes but round small terms away, and MPI cannot sum bf16), as the optimizer's
+state. Float32 too: the residual stream, LayerNorm, softmax, the ring's scores, lse and merge, the loss, every sum
+handed to MPI. What only moves is bf16: the pipeline's activations and gradients, K/V round the ring, the sequence-
+parallel gathers.
 Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by
 save_for_backward (where the saved-tensor hooks that count activations see them) and reruns fn in backward under the
 forward's autocast. full: each block from its input, its g and ring hops again (F, R); selective: attention's core
 (Korthikanti et al.); at C > 1 the ring keeps no weights (recomputed from lse): selective drops its output and lse (R).
 Not offered yet: experts with bf16 or recomputation (refused in one line); with experts, activations measured only.
-Memory per rank, W_r its stage's parameters (its share of the T-way split, its X/E experts a block): weights,
-  gradients, momentum 4W_r each, in bf16 too (--zero-stage 1: momentum 4W_r'/n). Activations one micro-batch's forward
-  saves (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with --sequence-parallel, else 1), per dense
-  block: none bsh(8/c + 2e + 12e/t) + 16bs/c + Y; selective without Y; full 4bsh/c, its float32 input. Y: (4, in bf16
-  6)abs^2/t + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t + 4abs/t (the ring's output, lse) at C > 1. Once:
-  9bs + 8s/c on the first stage, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded); min(M, P - s) of them.
-Checkpoints (--save, --resume): the whole model's tensors by one process's names and shapes, in blocks (blocks_held),
-each with its SGD momentum, each element written once: by data rank 0 of the D x C that hold it (an expert's, the first
-of its D x C / E), its tensor slices by each of the T ranks, what they hold whole by tensor rank 0; ZeRO-1's momentum
-all-gathered over the n ranks first. A resume on any grid asks for the blocks its ranks hold there, cut from whichever
-files overlap them; ZeRO-1 cuts slice r of each bucket again, the padding starts at zero, the losses come with the step.
-Experts: which sequences share a balancing loss or a capacity is the grid's (D, M): --check replays each step's grid.
+Memory per rank, W_r its stage's parameters (its share of the T-way split, its X/E experts a block): weights and
+  gradients 4W_r each, in bf16 too; SGD's momentum 4W_r, AdamW's moments 8W_r (--zero-stage 1: 4W_r'/n, 8W_r'/n).
+  Activations one micro-batch's forward saves (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with
+  --sequence-parallel, else 1), per dense block: none bsh(8/c + 2e + 12e/t) + 16bs/c + Y; selective without Y; full
+  4bsh/c, its float32 input. Y: (4, in bf16 6)abs^2/t + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t + 4abs/t
+  (the ring's output, lse) at C > 1. Once: 9bs + 8s/c on the first stage, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the
+  last (V padded); min(M, P - s) of them.
+Checkpoints (--save, --resume): the whole model's tensors and optimizer state by one process's names, in blocks
+(blocks_held), each element written once; a resume on any grid reads the blocks it holds there. Experts: which
+sequences share a balancing loss or a capacity is the grid's (D, M): --check replays each step's grid.
 
 When to choose it: the model outgrows a node, or the sequence a device: tensor in a node, context next, pipeline across
 nodes, data parallelism over the replicas left; experts when parameters must grow and compute not.
-The network: tensor_parallel.py's GPT (--experts: expert_parallel.py's MLPs), on Python's argparse.py, textwrap.py, shlex.py.
+The network: tensor_parallel.py's GPT (--experts: expert_parallel.py's MLPs), on argparse.py, textwrap.py, shlex.py.
 Run:  mpirun -np 16 python hybrid_parallel.py --pp 2 --dp 2 --cp 2 --tp 2     (add --help for the flags)
 """
 import argparse, collections, contextlib, ctypes, errno, fractions, functools, hashlib, importlib.util  # noqa: E401
@@ -101,14 +103,7 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "hybrid_parallel"
-# Largest |difference| against one process (float32), 30 steps (5 blocks, hidden 32, M = 2): every grid of 1, 2, 4 ranks of
-# data, tensor, pipeline 4.8e-7 to 7.2e-7, 2 x 2 x 2 5.4e-7; the ring (zigzag / contiguous): --cp 4 7.7e-7 / 7.2e-7, --cp 2
-# with --tp 2 7.7e-7 / 1.2e-6, --pp 2 8.3e-7, --dp 2 6.6e-7 / 1.2e-6; ZeRO-1 up to 8.0e-7; experts (the tests' 3 steps) with
-# each axis at N = 4 2.1e-7 to 4.8e-7, all five on 16 ranks 3.3e-7. tensor's and pipeline's 2e-5 kept: a 10x nudge shows.
-TOLERANCE = 2e-5
-# bf16, both sides under autocast: the tests' runs (3 steps, grids of 1, 2, 4 ranks, sequence-parallel, contiguous, ZeRO-1) 5.5e-4
-# to 1.3e-3; the default 40 steps: --tp 2 3.2e-2, --pp 2 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp 2 4.6e-2. A 1/N fault: 0.16.
-TOLERANCE_BF16 = 1e-1
+TOLERANCE, TOLERANCE_BF16 = 2e-5, 1e-1  # the check's largest |difference|, float32 and bf16: measured (above check())
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
@@ -151,8 +146,7 @@ def allreduce(t, comm, op=MPI.SUM):
         t = from_mpi(t, buffer)
     return t
 
-# MPI reads GPU memory only when the library is CUDA-aware (found at start-up by setup()).
-# Otherwise a tensor on a GPU travels through a host copy. On the CPU these helpers do nothing.
+# MPI reads GPU memory when the library is CUDA-aware (setup() finds out), else a host copy travels; CPU: no copy.
 CUDA_AWARE = False
 
 def mpi_buffer(t, nonblocking=False, send=True):
@@ -174,8 +168,7 @@ def from_mpi(t, buffer):
     return t if buffer is t else t.copy_(buffer)
 
 class f(torch.autograd.Function):
-    """Identity forward, allreduce backward: before a column-parallel layer, whose input every
-    rank holds whole; each rank's backward sees only the gradient through its own columns."""
+    """Identity forward, allreduce backward: before a column-parallel layer, the input's gradient summed over ranks."""
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
@@ -185,7 +178,7 @@ class f(torch.autograd.Function):
         return allreduce(dy, ctx.comm), None
 
 class g(torch.autograd.Function):
-    """Allreduce forward, identity backward: sums a row-parallel layer's partial products (in float32: MPI cannot sum bf16)."""
+    """Allreduce forward, identity backward: the sum of a row-parallel layer's partial products, float32 for MPI."""
     @staticmethod
     def forward(ctx, x, comm):
         return allreduce(x.float(), comm)
@@ -211,8 +204,7 @@ def scatter_sequence(x, comm):
     return from_mpi(mine, buffer)
 
 class GatherSequence(torch.autograd.Function):
-    """Sequence parallelism's f (Korthikanti et al. 2022): before a column-parallel layer, all-gather
-    the T ranks' pieces of the sequence; backward, reduce-scatter: each keeps its positions' sum."""
+    """Sequence parallelism's f (Korthikanti 2022): all-gather T pieces of the sequence; backward, reduce-scatter."""
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
@@ -222,8 +214,7 @@ class GatherSequence(torch.autograd.Function):
         return scatter_sequence(dy.float(), ctx.comm), None  # a sum: float32
 
 class ScatterSequence(torch.autograd.Function):
-    """Sequence parallelism's g: after a row-parallel layer, reduce-scatter the partial sums, so that
-    each rank holds the whole sum for its piece of the sequence; backward, all-gather (in x's dtype)."""
+    """Sequence parallelism's g: reduce-scatter a row-parallel layer's partial sums by position; backward, gather."""
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm, ctx.dtype = comm, x.dtype
@@ -257,8 +248,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 class RowParallelLinear(nn.Module):
-    """Y = g(X_r B_r) + b: rank r holds the rows of B for its slice X_r of the input features;
-    the bias is whole on every rank and added once, after the sum."""
+    """Y = g(X_r B_r) + b: rank r holds B's rows for its slice X_r of the features; b, whole, is added after the sum."""
     def __init__(self, full, comm):
         super().__init__()
         self.comm, self.sequence_parallel = comm, False  # True: Y leaves cut along the sequence
@@ -269,8 +259,7 @@ class RowParallelLinear(nn.Module):
         return sum_.apply(F.linear(x, self.weight), self.comm) + self.bias
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r owns the rows of a range of the vocabulary: it looks up the tokens in its range,
-    writes zeros for the others, and g sums: every token's row comes from exactly one rank."""
+    """Rank r owns a range of the vocabulary: its tokens' rows, zeros for others; g sums them: one row each."""
     def __init__(self, full, comm, padded):
         super().__init__()
         self.comm, self.sequence_parallel = comm, False  # True: the sum leaves cut along the sequence
@@ -283,8 +272,7 @@ class VocabParallelEmbedding(nn.Module):
         return sum_.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over tokens from each rank's slice of the logits: three allreduces of
-    b x S numbers forward (max, the target's logit, the sum of exponentials), none backward."""
+    """Mean cross-entropy from each rank's slice of the logits: 3 allreduces of b x S numbers forward, none back."""
     @staticmethod
     def forward(ctx, logits, target, comm):
         logits, per = logits.float(), logits.size(-1)  # max, target logit, sum of exponentials: float32
@@ -310,8 +298,8 @@ def padded_vocab(tp):
     return -(-VOCAB // tp) * tp
 
 def shard_block(block, comm):
-    """Megatron's block, in place: attention f -> qkv columns (this rank's heads) -> proj rows -> g,
-    MLP f -> fc1 columns -> GELU -> fc2 rows -> g; a mixture of experts stays whole. Block.forward is unchanged."""
+    """Megatron's block, in place: attention f -> qkv columns (this rank's heads) -> proj rows -> g, MLP f -> fc1
+    columns -> GELU -> fc2 rows -> g; experts stay whole. Block.forward is unchanged."""
     block.qkv, block.proj = ColumnParallelLinear(block.qkv, comm, groups=3), RowParallelLinear(block.proj, comm)
     block.heads //= comm.Get_size()
     if isinstance(block.mlp, MLP):
@@ -319,9 +307,8 @@ def shard_block(block, comm):
     return block
 
 class Stage(nn.Module):
-    """Blocks [lo, hi) of the full model, with the embedding on the first stage and the final
-    norm and head on the last, every matrix sharded over the tensor-parallel communicator."""
-    def __init__(self, model, lo, hi, first, last, comm, ring=None, where=None, sequence_parallel=False, recompute="none"):
+    """Blocks [lo, hi) of the model, the embedding on the first stage, norm and head on the last, cut over T ranks."""
+    def __init__(self, model, lo, hi, first, last, comm, ring, where, sequence_parallel, recompute):
         super().__init__()
         self.first, self.last, self.hidden, self.where = first, last, model.norm.normalized_shape[0], where
         padded = padded_vocab(comm.Get_size())
@@ -335,7 +322,7 @@ class Stage(nn.Module):
         # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T ranks holds
         # S/(C T) positions, so the f and g around them gather and scatter the sequence, and a parameter held whole on
         # every rank (a LayerNorm, a row-parallel bias, the positions, a router, an expert) gets the gradient of this
-        # rank's positions alone: a hook sums it over the T ranks as it is computed (Megatron: once a step, after the last).
+        # rank's positions alone: a hook sums it over the T ranks as it is computed (Megatron: once, after the step).
         self.cut = comm.Get_size() if sequence_parallel else 1  # a piece of the sequence per rank
         for layer in self.modules():
             if hasattr(layer, "sequence_parallel"):
@@ -350,25 +337,15 @@ class Stage(nn.Module):
             x = checkpoint(block, x, use_reentrant=True) if block.recompute == "full" else block(x)
         return self.out(self.norm(x)) if self.last else x
 
-def activation_bytes(args, s):
-    """The docstring's activations of one micro-batch on stage s (9bs, 8s/c: indices, masks); None with experts."""
-    b, n, h, a, T = args.batch_size // (args.dp * args.micro_batches), args.seq_len // args.cp, args.hidden, args.heads, args.tp
-    e, cut, (lo, hi) = 2 if args.precision == "bf16" else 4, T if args.sequence_parallel else 1, layer_split(args.layers, args.pp)[s]
-    core = (e * b * n * h + 4 * a * b * n) // T if args.cp > 1 else (4 if e == 4 else 6) * a * b * n * n // T + n * n
-    block = (8 * b * n * h + 16 * b * n) // cut + 2 * e * b * n * h + 12 * e * b * n * h // T + core * (args.recompute == "none")
-    block = 4 * b * n * h // cut if args.recompute == "full" else block
-    last = (4 * b * n * h + 8 * b * n) // cut + e * b * n * h + 4 * b * n * padded_vocab(T) // T + 9 * b * n
-    return None if args.experts else (hi - lo) * block + (9 * b * n + 8 * n // cut) * (s == 0) + last * (s == args.pp - 1)
-
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Around one micro-batch's forward: the bytes autograd saves for backward, each storage once, parameters left out."""
+    """Around one micro-batch's forward: the bytes autograd saves for backward, each storage once, no parameter."""
     def __init__(self, stage):
         super().__init__(self.pack, lambda t: t)
         self.parameters, self.storages, self.bytes = {p.untyped_storage().data_ptr() for p in stage.parameters()}, {}, 0
     def pack(self, t):
         base = t if t._base is None else t._base  # the tensor a view (a weight's transpose) looks at
-        copied = base.grad_fn.next_functions[0][0] if type(base.grad_fn).__name__ == "ToCopyBackward0" else None  # autocast's
-        storage = getattr(copied, "variable", t).untyped_storage()  # a parameter's copy counts as the parameter
+        copied = base.grad_fn.next_functions[0][0] if type(base.grad_fn).__name__ == "ToCopyBackward0" else None
+        storage = getattr(copied, "variable", t).untyped_storage()  # autocast's copy of a parameter counts as it
         self.storages[storage.data_ptr()] = 0 if storage.data_ptr() in self.parameters else storage.nbytes()
         return t
     def __exit__(self, *exception):
@@ -384,23 +361,20 @@ def layer_split(layers, pp):
 # Context parallelism within a stage: the sequence cut over C ranks, attention by ring
 # -----------------------------------------------------------------------------
 def shard_positions(seq_len, cp, layout):
-    """Row c: the global positions context-parallel rank c holds. zigzag: chunks c and 2C-1-c of 2C, so that every
-    rank has early and late positions and the same causal work; contiguous: the c-th block of S/C."""
+    """Row c: rank c's global positions. zigzag: chunks c and 2C-1-c of 2C (equal causal work); else the c-th of C."""
     if layout == "contiguous" or cp == 1:
         return torch.arange(seq_len).view(cp, -1)
     chunks = torch.arange(seq_len).view(2 * cp, -1)
     return torch.stack([torch.cat([chunks[c], chunks[2 * cp - 1 - c]]) for c in range(cp)])
 
 def block_plan(queries, keys):
-    """Of one block of keys: the rows (queries) that see any of them, the cols (keys) that any
-    query sees, and the causal mask of those; None when every key comes after every query."""
+    """Of one block of keys: the queries (rows) that see any, the keys (cols) any sees, their mask; None: none."""
     visible = keys.view(1, -1) <= queries.view(-1, 1)
     rows, cols = visible.any(1).nonzero().flatten(), visible.any(0).nonzero().flatten()
     return None if rows.numel() == 0 else types.SimpleNamespace(rows=rows, cols=cols, mask=~visible[rows][:, cols])
 
 def block_attention(q, k, v, plan):
-    """The plan's queries against one block of keys: the block's output and its log-sum-exp, float32
-    (the matmuls in the dtype of q, k, v: bf16 under autocast)."""
+    """The plan's queries against one block of keys: its output and log-sum-exp, float32 (matmuls in q's dtype)."""
     scores = (q[:, :, plan.rows] @ k[:, :, plan.cols].transpose(-2, -1)).float() / math.sqrt(q.size(-1))
     scores = scores.masked_fill(plan.mask, float("-inf"))
     lse = scores.logsumexp(dim=-1)
@@ -414,15 +388,15 @@ def ring_pass(t, comm):
     return from_mpi(came, buffer)
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries (b x heads x S/C x d) over all keys: the K/V blocks go round the ring, C - 1
-    hops, each block's output merged by the softmax's log-sum-exp (out <- out - sigmoid(lse_b - lse)(out - out_b), lse <- lse
-    - logsigmoid(lse - lse_b)). Backward: round again, the weights recomputed from the final lse; dQ adds up at home, each
-    block's dK/dV travels with it, home after C hops. Blocking Sendrecvs (context_parallel.py hides them behind work)."""
+    """Causal attention of this rank's queries over all keys: the K/V blocks go round the ring, C-1 hops, each block's
+    output merged by log-sum-exp: out <- out - sigmoid(lse_b - lse)(out - out_b), lse <- lse - logsigmoid(lse - lse_b).
+    Backward: round again, the weights recomputed from the final lse; dQ adds up at home, each block's dK/dV travels
+    with it, home after C hops. Blocking Sendrecvs (context_parallel.py hides them behind work)."""
     @staticmethod
     def forward(ctx, q, k, v, ring):
         kv, out, lse = torch.stack([k, v]), None, None
         for i in range(ring.comm.Get_size()):
-            plan = ring.plans[(ring.comm.Get_rank() - i) % ring.comm.Get_size()]  # rank c-i's block is in hand
+            plan = ring.plans[i]  # rank c-i's block is in hand
             if plan is not None:
                 block_out, block_lse = block_attention(q, kv[0], kv[1], plan)
                 if out is None:  # the own block, first: every query sees itself
@@ -441,16 +415,17 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, dout, scale = ctx.ring, dout.contiguous(), 1 / math.sqrt(q.size(-1))
-        delta = (dout.float() * out.float()).sum(-1)  # rowsum(P dP) of softmax's backward, = rowsum(dO O) (FlashAttention's D)
+        delta = (dout.float() * out.float()).sum(-1)  # FlashAttention's D: rowsum(dO O) = rowsum(P dP)
         dq, kv, travelling, low = torch.zeros_like(q, dtype=lse.dtype), torch.stack([k, v]), None, q.dtype
         for i in range(ring.comm.Get_size()):  # sums in float32 (dQ, and dK/dV going home); K/V move in q's dtype
-            dkv, plan = torch.zeros_like(kv, dtype=lse.dtype), ring.plans[(ring.comm.Get_rank() - i) % ring.comm.Get_size()]
+            dkv, plan = torch.zeros_like(kv, dtype=lse.dtype), ring.plans[i]
             if plan is not None:
                 rows, cols, dor = plan.rows, plan.cols, dout[:, :, plan.rows].to(low)
-                scores = ((q[:, :, rows] @ kv[0][:, :, cols].transpose(-2, -1)).float() * scale).masked_fill(plan.mask, float("-inf"))
+                kb, vb = kv[:, :, :, cols]  # this block's keys and values that the rows see
+                scores = ((q[:, :, rows] @ kb.transpose(-2, -1)).float() * scale).masked_fill(plan.mask, float("-inf"))
                 weights = (scores - lse[:, :, rows].unsqueeze(-1)).exp()  # the block's share of the whole softmax
-                dscores = weights * ((dor @ kv[1][:, :, cols].transpose(-2, -1)).float() - delta[:, :, rows].unsqueeze(-1)) * scale
-                dq[:, :, rows] += (dscores.to(low) @ kv[0][:, :, cols]).float()
+                dscores = weights * ((dor @ vb.transpose(-2, -1)).float() - delta[:, :, rows].unsqueeze(-1)) * scale
+                dq[:, :, rows] += (dscores.to(low) @ kb).float()
                 dkv[0][:, :, cols] += (dscores.to(low).transpose(-2, -1) @ q[:, :, rows]).float()
                 dkv[1][:, :, cols] += (weights.to(low).transpose(-2, -1) @ dor).float()
             if travelling is not None:
@@ -461,24 +436,25 @@ class RingAttention(torch.autograd.Function):
         return dq, travelling[0], travelling[1], None  # after C hops, the own block's dK, dV
 
 class Ring:
-    """A block's attention on this rank: the context-parallel communicator, its positions' plan against each rank's."""
+    """A block's attention on rank c: the communicator, the plans against the K/V in hand after i hops (rank c-i's)."""
     def __init__(self, comm, positions, device):
-        self.comm = comm
-        self.plans = [None if plan is None else types.SimpleNamespace(**{k: t.to(device) for k, t in vars(plan).items()})
-                      for plan in (block_plan(positions[comm.Get_rank()], row) for row in positions)]
+        self.comm, c, C = comm, comm.Get_rank(), comm.Get_size()
+        plans = (block_plan(positions[c], positions[(c - i) % C]) for i in range(C))
+        self.plans = [p and types.SimpleNamespace(**{k: t.to(device) for k, t in vars(p).items()}) for p in plans]
 
 # -----------------------------------------------------------------------------
 # Expert parallelism within a stage: a mixture of experts, each expert group sharing the experts out
 # -----------------------------------------------------------------------------
 class MoE(nn.Module):
     """The block's MLP as X expert MLPs. A router (softmax, top K, a tie to the lowest index) sends each token to K of
-    them: y = sum of gate x expert(x). Experts are whole on each tensor-parallel rank (Megatron's expert tensor parallelism
-    splits them over T): the T ranks route the same tokens, or with sequence parallelism each its own positions, the
-    experts' gradients then summed over T like a LayerNorm's. Switch's loss counts every choice of the stage's ranks per
-    micro-batch and trains the routers where they are; the loss printed is the cross-entropy."""
+    them: y = sum of gate x expert(x). Experts are whole on each tensor-parallel rank (Megatron's expert tensor
+    parallelism splits them over T): the T ranks route the same tokens, or with sequence parallelism each its own
+    positions, the experts' gradients then summed over T like a LayerNorm's. Switch's loss counts every choice of the
+    stage's ranks per micro-batch and trains the routers where they are; the loss printed is the cross-entropy."""
     def __init__(self, args):
         super().__init__()
-        self.router, self.experts = nn.Linear(args.hidden, args.experts, bias=False), nn.ModuleList(MLP(args.hidden) for _ in range(args.experts))
+        self.router = nn.Linear(args.hidden, args.experts, bias=False)
+        self.experts = nn.ModuleList(MLP(args.hidden) for _ in range(args.experts))
         self.top_k, self.capacity_factor, self.aux_coef = args.top_k, args.capacity_factor, args.aux_loss_coef
         self.group = self.routers = None  # build_stage() sets them (and scale: the aux loss's share of the step's)
         self.scale, self.dropped, self.gap = 1.0, 0, math.inf  # the report's: pairs dropped, smallest top-k gap
@@ -488,8 +464,9 @@ class MoE(nn.Module):
         ranked, order = probs.sort(dim=-1, descending=True, stable=True)
         self.gap = min(self.gap, (ranked[:, k - 1] - ranked[:, k]).min().item())
         pairs, gates = order[:, :k].reshape(-1), ranked[:, :k]  # token t's choice c is pair t K + c
-        limit = math.inf if self.capacity_factor is None else math.ceil(fractions.Fraction(repr(self.capacity_factor)) * k * len(tokens) / X)
-        kept = F.one_hot(pairs, X).cumsum(0).gather(1, pairs[:, None]).squeeze(1) <= limit  # an expert's first ceil(F K n / X)
+        exact = fractions.Fraction(repr(self.capacity_factor or 0))  # F: an expert keeps its first ceil(F K n / X)
+        limit = math.inf if self.capacity_factor is None else math.ceil(exact * k * len(tokens) / X)
+        kept = F.one_hot(pairs, X).cumsum(0).gather(1, pairs[:, None]).squeeze(1) <= limit
         self.dropped, kept = self.dropped + int((~kept).sum()), kept.nonzero().squeeze(1)
         kept = kept[pairs[kept].sort(stable=True).indices]  # by expert; in token order within one
         out = self.run_experts(tokens[kept // k], torch.bincount(pairs[kept], minlength=X))
@@ -501,9 +478,8 @@ class MoE(nn.Module):
         aux = self.aux_coef * X * (counts / counts.sum() * probs.mean(dim=0)).sum() * self.scale
         return LoadBalancing.apply(y.view_as(x), aux)
     def run_experts(self, rows, sent):
-        """rows sorted by expert, sent[i] of them for expert i. Dispatch: each to the rank of the group
-        that holds its expert; each local expert runs once on its rows from every rank; combine: the
-        outputs back, in the order the rows left. The counts go first: Alltoall, then Alltoallv."""
+        """rows sorted by expert, sent[i] of them for expert i. Dispatch: each to the rank of the group that holds its
+        expert, which runs once on its rows from every rank; combine: the outputs back, in the order the rows left."""
         size, local = self.group.Get_size(), len(self.experts)
         received = sent  # [i x local + e]: rows from rank i for this rank's expert e
         if size > 1:
@@ -516,12 +492,11 @@ class MoE(nn.Module):
         pieces = torch.arange(len(rows), device=rows.device).split(received.tolist())
         by_expert = torch.cat([pieces[i * local + e] for e in range(local) for i in range(size)])
         sizes = received.view(size, local).sum(0).tolist()
-        out = torch.cat([expert(x) for expert, x in zip(self.experts, rows[by_expert].split(sizes))])[by_expert.argsort()]
+        out = torch.cat([e(r) for e, r in zip(self.experts, rows[by_expert].split(sizes))])[by_expert.argsort()]
         return AllToAll.apply(out, forth, back, self.group) if size > 1 else out  # combine
 
 class AllToAll(torch.autograd.Function):
-    """MPI_Alltoallv of a matrix's rows: send_rows[j] consecutive rows to rank j, recv_rows[i] from rank i; backward,
-    the same reversed: a row's gradient goes back where the row came from."""
+    """MPI_Alltoallv of a matrix's rows: send_rows[j] to rank j, recv_rows[i] from rank i; backward, the reverse."""
     @staticmethod
     def forward(ctx, rows, send_rows, recv_rows, comm):
         ctx.reverse, out = (recv_rows, send_rows, comm), rows.new_empty(sum(recv_rows), rows.size(1))
@@ -535,8 +510,7 @@ class AllToAll(torch.autograd.Function):
         return AllToAll.apply(grad, *ctx.reverse), None, None, None
 
 class LoadBalancing(torch.autograd.Function):
-    """Identity on the mixture's output; backward also gives the load-balancing loss its gradient, 1, so
-    that it trains the router on whichever stage it is, never carried to the last (Megatron's way)."""
+    """Identity on the mixture's output; backward gives the load-balancing loss its gradient, 1, on its own stage."""
     @staticmethod
     def forward(ctx, y, aux):
         return y
@@ -545,7 +519,7 @@ class LoadBalancing(torch.autograd.Function):
         return dy, torch.ones((), device=dy.device)
 
 # -----------------------------------------------------------------------------
-# Pipeline parallelism across stages: 1F1B as per-rank lists of actions, proven on paper
+# Pipeline parallelism across stages: 1F1B as per-rank lists of actions, simulated before they run
 # -----------------------------------------------------------------------------
 # op: forward, backward, send_act/recv_act (an activation), send_grad/recv_grad (its gradient), or reduce (the
 # data-parallel gradient allreduce); mb: the micro-batch acted on, None for reduce, which sums all M of them.
@@ -555,12 +529,11 @@ class ScheduleError(Exception):
     """A schedule that would deadlock, lose a message or use an input before it exists."""
 
 def one_f_one_b(pp, m, stage):
-    """1F1B (PipeDream-Flush): pp-1-stage warm-up forwards, then one forward one backward, then the
-    remaining backwards; last, the data-parallel gradient allreduce ('reduce')."""
+    """1F1B (PipeDream-Flush): P-1-stage warm-up forwards, one forward one backward, the rest; then the 'reduce'."""
     def forward(i):
-        return [Action("recv_act", i)] * (stage > 0) + [Action("forward", i)] + [Action("send_act", i)] * (stage < pp - 1)
+        return [Action(op, i) for op in ["recv_act"] * (stage > 0) + ["forward"] + ["send_act"] * (stage < pp - 1)]
     def backward(i):
-        return [Action("recv_grad", i)] * (stage < pp - 1) + [Action("backward", i)] + [Action("send_grad", i)] * (stage > 0)
+        return [Action(op, i) for op in ["recv_grad"] * (stage < pp - 1) + ["backward"] + ["send_grad"] * (stage > 0)]
     warmup = min(pp - 1 - stage, m)
     actions = [a for i in range(warmup) for a in forward(i)]
     for i in range(m - warmup):
@@ -570,31 +543,30 @@ def one_f_one_b(pp, m, stage):
 def dry_run(lists, dp, cp, tp, m, experts=False):
     """Execute every rank's list on paper, a slot per forward or backward. A send never blocks (Isend); a receive waits
     for the send of the rank of equal (dp, cp, tp) a stage away. A forward or backward holds the tensor allreduces and
-    ring hops: the C x T ranks of equal (pp, dp) run it together (with experts the stage's D x C x T, the router's counts),
-    'reduce' the D x C of equal (pp, tp). Raises ScheduleError unless each rank runs each micro-batch's forward and backward
-    once, after its inputs exist, and every message arrives. Returns per rank the ideal timeline and the peak held."""
+    ring hops: the C x T ranks of equal (pp, dp) run it together (with experts the stage's D x C x T, the router's
+    counts), 'reduce' the D x C of equal (pp, tp). Raises ScheduleError unless each rank runs each micro-batch's forward
+    and backward once, after its inputs exist, and every message arrives. Returns each rank's ideal timeline."""
     n, pp = len(lists), len(lists) // (dp * cp * tp)
     pc, clock, sent = [0] * n, [0] * n, {}  # sent: (src, dst, kind, mb) -> slot it was sent at
     have = [set() for _ in range(n)]  # (act|grad, mb) received, (forward|backward, mb) computed
-    spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
+    spans = [[] for _ in range(n)]  # (F or B and the micro-batch, first slot, slot after)
     def neighbour(r, step):  # the rank of equal (dp, cp, tp) `step` stages away, if any
         p, d, c, t = coordinates(r, dp, cp, tp)
         return rank_at(p + step, d, c, t, dp, cp, tp) if 0 <= p + step < pp else None
     def group(r, op):  # who runs op together: the data-parallel group, or a stage's C x T (or D x C x T) ranks
         p, d, c, t = coordinates(r, dp, cp, tp)
-        return [rank_at(p, e, b, t, dp, cp, tp) for e in range(dp) for b in range(cp)] if op == "reduce" else \
-            [rank_at(p, e, b, u, dp, cp, tp) for e in (range(dp) if experts else [d]) for b in range(cp) for u in range(tp)]
+        ds, ts = (range(dp), [t]) if op == "reduce" else (range(dp) if experts else [d], range(tp))
+        return [rank_at(p, e, b, u, dp, cp, tp) for e in ds for b in range(cp) for u in ts]
     def compute(r, op, i):
         needs = {"forward": [("act", i)] * (neighbour(r, -1) is not None),
                  "backward": [("forward", i)] + [("grad", i)] * (neighbour(r, 1) is not None),
                  "reduce": [("backward", j) for j in range(m)]}[op]
-        if (op, i) in have[r] or i not in (range(m) if op != "reduce" else [None]) or not all(x in have[r] for x in needs):
+        if (op, i) in have[r] or i not in (range(m) if op != "reduce" else [None]) or set(needs) - have[r]:
             raise ScheduleError(f"rank {r}: {op} {i} twice, out of range, or before {needs}")
         have[r].add((op, i))
         if op != "reduce":
             spans[r].append((f"{op[0].upper()}{i}", clock[r], clock[r] + 1))
-            clock[r], held[r] = clock[r] + 1, held[r] + (1 if op == "forward" else -1)
-            peak[r] = max(peak[r], held[r])
+            clock[r] += 1
     moved = True
     while moved:
         moved = False
@@ -634,33 +606,24 @@ def dry_run(lists, dp, cp, tp, m, experts=False):
     for r in range(n):  # each ran at most once and in range: 2M of them means all of them
         if len(spans[r]) != 2 * m or ("reduce", None) not in have[r]:
             raise ScheduleError(f"rank {r} does not run all {m} micro-batches and the reduce")
-    return spans, peak
+    return spans
 
 def tag(op, mb):
     """A message's tag: its micro-batch and direction, so that no two in flight share one."""
     return 2 * mb + op.endswith("grad")
-
-def check_tags(comm, m):
-    """MPI promises tags up to 32767 only (MPI_TAG_UB says how far this library goes): refuse an M
-    whose largest tag, 2M - 1, it cannot carry, rather than fail inside MPI mid-step."""
-    largest, bound = tag("send_grad", m - 1), comm.Get_attr(MPI.TAG_UB)
-    if largest > bound:
-        raise ConfigError(f"--micro-batches {m} needs message tags up to {largest}, but this MPI's "
-                          f"MPI_TAG_UB is {bound}; use --micro-batches {(bound + 1) // 2} or fewer")
 
 # -----------------------------------------------------------------------------
 # Data parallelism across replicas: the bucketed gradient allreduce on the data-parallel communicator
 # -----------------------------------------------------------------------------
 class GradBuckets:
     """PyTorch DDP's reducer in miniature. Buckets follow reverse registration order, the order in which backward
-    produces gradients. During the step's last backward (after it, a gradient holds all M micro-batches), a post-
-    accumulate-grad hook counts a bucket's gradients and starts its non-blocking allreduce the moment the last one
-    is in. groups: (parameters, the ranks that sum them), each in buckets of its own: the dense over the N = D x C
-    ranks of equal (pp, tp), an expert's over the N/E that hold it. finish() divides every sum by N: the step's loss
-    is the mean of N shares, and an expert's N/E copies saw all N between them (each gets its group's tokens), so
-    / (N/E) would step the experts E times too far, and only the check would tell. zero=True (ZeRO-1): a reduce-
-    scatter instead: rank r of n receives the sum of slice r of each bucket (padded to a multiple of n), left in
-    self.shards for ShardedSGD to step."""
+    produces gradients. In the step's last backward (after it, a gradient holds all M micro-batches), a
+    post-accumulate-grad hook counts a bucket's gradients and starts its non-blocking allreduce the moment the last one
+    is in. groups: (parameters, the ranks that sum them), each in buckets of its own: the dense over the N = D x C ranks
+    of equal (pp, tp), an expert's over the N/E that hold it. finish() divides every sum by N: the loss is the mean of N
+    shares, and an expert's N/E copies saw all N between them (/ (N/E) would step the experts E times too far).
+    zero=True (ZeRO-1): a reduce-scatter instead: rank r of n gets the sum of slice r of each bucket (padded), in
+    self.shards."""
     def __init__(self, groups, shares, bucket_bytes, zero=False):
         self.shares, self.zero, self.buckets, self.comms = shares, zero and shares > 1, [], []
         for params, comm in groups:
@@ -671,10 +634,11 @@ class GradBuckets:
                 self.buckets[-1].append(p)
                 size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
-        self.padded = [-(-sum(p.numel() for p in b) // c.Get_size()) * c.Get_size() for b, c in zip(self.buckets, self.comms)]
+        sizes = [sum(p.numel() for p in b) for b in self.buckets]
+        self.padded = [-(-n // c.Get_size()) * c.Get_size() for n, c in zip(sizes, self.comms)]
         self.shards = [None] * len(self.buckets)  # ZeRO-1: this rank's slice of each bucket's averaged gradient
         self.exchanging, self.ready, self.pending = False, [0] * len(self.buckets), []
-        # The report's marks: the gradients the last backward has computed (a hook of its own), and that as each was posted.
+        # The report's marks: how many gradients the last backward had computed (a hook of its own) as each bucket left.
         self.computed, self.posted_at = 0, []
         for p in self.bucket_of if shares > 1 else ():
             p.register_post_accumulate_grad_hook(self._computed)
@@ -726,15 +690,17 @@ class GradBuckets:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
 
-class ShardedSGD:
-    """ZeRO stage 1 (Megatron's distributed optimizer) over the n ranks that sum a bucket: rank r keeps the momentum of
-    slice r of each bucket only, 1/n of it. Its step: SGD on the slice (the parameters' slice, the gradient's from the
-    reduce-scatter), then an Allgather of every rank's slice into the bucket's parameters, whole again on every rank."""
-    def __init__(self, buckets, lr):
+class ShardedOptimizer:
+    """ZeRO stage 1 (Megatron's distributed optimizer) over the n ranks that sum a bucket: rank r keeps the state of
+    slice r of each bucket only (SGD's momentum, AdamW's two moments): 1/n of it. Its step: torch's on the slice (the
+    gradient's from the reduce-scatter), then an Allgather of every rank's slice into the bucket's parameters, whole
+    again."""
+    def __init__(self, buckets, args):
         self.buckets = buckets
         self.slices = [nn.Parameter(torch.zeros(n // c.Get_size(), device=b[0].device))
                        for n, b, c in zip(buckets.padded, buckets.buckets, buckets.comms)]
-        self.inner = torch.optim.SGD(self.slices, lr=lr, momentum=0.9)  # torch's own step, on slices
+        self.inner = make_optimizer(args, self.slices)  # torch's own step, on slices
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
     def zero_grad(self, set_to_none=False):
         for p in self.buckets.bucket_of:
             if p.grad is not None:
@@ -743,7 +709,7 @@ class ShardedSGD:
         every = list(zip(self.slices, self.buckets.buckets, self.buckets.padded, self.buckets.comms))
         for (piece, bucket, n, comm), grad in zip(every, self.buckets.shards):
             flat = F.pad(torch.cat([p.detach().reshape(-1) for p in bucket]), (0, n - sum(p.numel() for p in bucket)))
-            piece.data.copy_(flat.view(comm.Get_size(), -1)[comm.Get_rank()])  # the parameters' slice: float32, as the master
+            piece.data.copy_(flat.view(comm.Get_size(), -1)[comm.Get_rank()])  # the parameters' slice: the master
             piece.grad = grad
         self.inner.step()
         for piece, bucket, n, comm in every:
@@ -757,31 +723,72 @@ class ShardedSGD:
                     offset += p.numel()
     def state_dict(self):
         return self.inner.state_dict()
-    def momentum(self):
-        """For a checkpoint: each parameter's momentum, whole and shaped as it, every bucket's slices all-gathered over
-        its n ranks (on the plain communicator: not the step's traffic). Before a first step, zeros: the same to SGD."""
+    def moments(self, field):
+        """For a checkpoint: each parameter's `field` of the state, whole, all-gathered over the n ranks of each bucket
+        (on the plain communicator: not the step's traffic). Before a first step, zeros: the same to SGD."""
         every, out = zip(self.slices, self.buckets.buckets, self.buckets.padded, self.buckets.comms), {}
         for piece, bucket, n, comm in every:
-            mine, whole = self.inner.state[piece].get("momentum_buffer", torch.zeros_like(piece)), piece.new_empty(n)
+            mine, whole = self.inner.state[piece].get(field, torch.zeros_like(piece)), piece.new_empty(n)
             buffer = mpi_buffer(whole, send=False)
             getattr(comm, "comm", comm).Allgather(mpi_buffer(mine), buffer)
             whole, offset = from_mpi(whole, buffer), 0
             for p in bucket:
                 out[p], offset = whole[offset:offset + p.numel()].view_as(p), offset + p.numel()
         return out
-    def load_momentum(self, momentum):
-        """After a resume, on any grid: a bucket's whole momentum from its parameters' ({p: tensor}); slice r kept."""
+    def load_moments(self, moments, step):
+        """After a resume, on any grid: {field: {p: the whole parameter's}}; slice r of each bucket kept."""
         for piece, bucket, n, comm in zip(self.slices, self.buckets.buckets, self.buckets.padded, self.buckets.comms):
-            flat = F.pad(torch.cat([momentum[p].reshape(-1) for p in bucket]), (0, n - sum(p.numel() for p in bucket)))
-            self.inner.state[piece]["momentum_buffer"] = flat.view(comm.Get_size(), -1)[comm.Get_rank()].clone()
+            for field, whole in moments.items():
+                flat = F.pad(torch.cat([whole[p].reshape(-1) for p in bucket]), (0, n - sum(p.numel() for p in bucket)))
+                self.inner.state[piece][field] = flat.view(comm.Get_size(), -1)[comm.Get_rank()].clone()
+            self.inner.state[piece].update({k: v.clone() for k, v in step.items()})  # a count each
+
+# -----------------------------------------------------------------------------
+# The recipe: AdamW, the gradient clipped to its global norm, a warm-up and a cosine (as nanoGPT's train.py)
+# -----------------------------------------------------------------------------
+def make_optimizer(args, parameters):
+    """--optimizer: SGD with momentum 0.9, or AdamW (float32 moments: 8 bytes for each parameter a rank steps)."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    return torch.optim.SGD(parameters, lr=args.lr, momentum=0.9)
+
+def learning_rate(args, step):
+    """Linear warm-up over --warmup-steps W, then --lr or a cosine to lr / 10 at --steps: of the step alone."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    low, progress = args.lr / 10, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    cosine = low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))  # lr at progress 0, lr / 10 at 1
+    return args.lr if args.lr_schedule == "constant" else cosine
+
+def adds_squares(p, axes, sharded=False):
+    """Whether this rank adds p's squares to the norm. A tensor-parallel slice: each of the T ranks its own; whole on
+    the T ranks (LayerNorms, row-parallel biases, positions, routers, experts): tensor rank 0. Of the D x C ranks
+    with equal gradients after the reduce (an expert's D x C / E), the first; ZeRO-1's slices: each its own."""
+    holders = axes["expert-data" if hasattr(p, "expert") else "data"]
+    return (hasattr(p, "sliced") or axes["tensor"].Get_rank() == 0) and (sharded or holders.Get_rank() == 0)
+
+def global_grad_norm(stage, buckets, axes, comm):
+    """The whole model's gradient norm in float32, after the reduce: each rank adds the squares adds_squares() gives it
+    (ZeRO-1: of its slices of the buckets, the only reduced ones), one Allreduce over all ranks sums every stage's. On
+    every rank, a LayerNorm would count T x D x C times (Megatron-LM's #5916); over one stage, the others would miss."""
+    squares = torch.zeros((), device=next(stage.parameters()).device)
+    for shard, bucket, group in zip(buckets.shards, buckets.buckets, buckets.comms) if buckets.zero else ():
+        counted = torch.cat([torch.full((p.numel(),), float(adds_squares(p, axes, True))) for p in bucket])
+        counted = F.pad(counted, (0, shard.numel() * group.Get_size() - counted.numel())).view(group.Get_size(), -1)
+        squares += (shard.float().square() * counted[group.Get_rank()].to(shard.device)).sum()
+    for p in stage.parameters() if not buckets.zero else ():
+        squares += p.grad.float().square().sum() if adds_squares(p, axes) else 0.0
+    return allreduce(squares.reshape(1), comm).sqrt().item()  # not one axis's traffic: uncounted
 
 # -----------------------------------------------------------------------------
 # The hybrid training step: this rank's list of actions, executed
 # -----------------------------------------------------------------------------
-def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, timeline, precision="fp32"):
-    """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches. Returns on the last
-    stage the replica's loss (the micro-batches' losses, each divided by M, summed), elsewhere 0."""
-    s, last_stage, bf16 = pp_comm.Get_rank(), pp_comm.Get_size() - 1, precision == "bf16"
+def train_step(stage, optimizer, buckets, actions, x, y, args, axes, timeline, comm):
+    """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches, the gradient clipped to its
+    norm --clip-grad (0: not). Returns the replica's loss on the last stage (the sum of the micro-batches' losses / M),
+    elsewhere 0; and the norm, before the clip, on every rank."""
+    m, pp_comm, tp_comm, bf16 = args.micro_batches, axes["pipeline"], axes["tensor"], args.precision == "bf16"
+    s, last_stage = pp_comm.Get_rank(), pp_comm.Get_size() - 1
     wire = torch.bfloat16 if bf16 else torch.float32  # what crosses a stage boundary, both ways
     xs, ys = x.chunk(m), y.chunk(m)
     shape = (xs[0].size(0), xs[0].size(1) // stage.cut, stage.hidden)  # an activation, or its gradient
@@ -805,7 +812,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
             request.Wait()  # idle until the peer's message is in
             received[a] = from_mpi(t, buffer)
         elif a.op == "forward":
-            with timeline.span("compute", f"F{a.mb}"), stage.meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+            with timeline.span("compute", f"F{a.mb}"), stage.meter, torch.autocast(x.device.type, wire, enabled=bf16):
                 inp = xs[a.mb] if s == 0 else received.pop(Action("recv_act", a.mb)).float().requires_grad_()
                 out = stage(inp)
                 if s == last_stage:  # divided by M: the summed gradients are the whole share's
@@ -827,16 +834,19 @@ def train_step(stage, optimizer, buckets, actions, x, y, m, pp_comm, tp_comm, ti
         sends = [(r, b) for r, b in sends if not r.Test()]  # MPICH moves a message only inside MPI calls
     for request, _ in sends:
         request.Wait()
+    norm = global_grad_norm(stage, buckets, axes, comm)  # of the reduced gradients
     with timeline.span("compute", "optimizer"):
+        scale = min(1.0, args.clip_grad / (norm + 1e-6)) if args.clip_grad else 1.0  # clip_grad_norm_'s, on every rank
+        for grad in (buckets.shards if buckets.zero else [p.grad for p in stage.parameters()]) if scale < 1 else ():
+            grad.mul_(scale)
         optimizer.step()
-    return total
+    return total, norm
 
 # -----------------------------------------------------------------------------
 # Model: a GPT-2 style character-level language model, plain (what one process trains)
 # -----------------------------------------------------------------------------
 def attend(qkv, heads, ring=None):
-    """Causal self-attention of `heads` heads, from queries, keys and values side by side: over
-    the whole sequence in one process, or by ring over the context-parallel ranks (`ring`)."""
+    """Causal self-attention of `heads` heads from q, k, v side by side: in one process, or by `ring`."""
     b, t, c = qkv.size(0), qkv.size(1), qkv.size(2) // 3
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
     if ring is not None:
@@ -863,8 +873,8 @@ class Block(nn.Module):
         self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)  # q, k, v side by side
         self.ln2, self.mlp = nn.LayerNorm(h), MoE(args) if args.experts else MLP(h)
     def forward(self, x):
-        qkv, selective = self.qkv(self.ln1(x)), self.recompute == "selective"  # selective: attention's core again in backward
-        x = x + self.proj(checkpoint(attend, qkv, self.heads, self.ring, use_reentrant=True) if selective else attend(qkv, self.heads, self.ring))
+        inputs, selective = (self.qkv(self.ln1(x)), self.heads, self.ring), self.recompute == "selective"
+        x = x + self.proj(checkpoint(attend, *inputs, use_reentrant=True) if selective else attend(*inputs))
         return x + self.mlp(self.ln2(x))
 
 class GPT(nn.Module):
@@ -892,16 +902,16 @@ def build_model(args):
     return model
 
 def build_stage(args, axes, device, model=None):
-    """The full model (from the seed, on the CPU); this rank keeps its stage's slice, moved alone,
-    with a ring over the context-parallel ranks when there are several, and its experts."""
-    s, pp, cp, model = axes["pipeline"].Get_rank(), axes["pipeline"].Get_size(), axes["context"], model or build_model(args)
+    """The full model (from the seed, on the CPU) cut to this rank's stage, moved alone, with its ring and experts."""
+    s, pp, cp, model = axes["pipeline"].Get_rank(), args.pp, axes["context"], model or build_model(args)
     lo, hi = layer_split(args.layers, pp)[s]
-    for moe in [block.mlp for block in model.blocks[lo:hi]] if args.experts else ():  # rank e of a group: experts eX/E on
+    for moe in [block.mlp for block in model.blocks[lo:hi]] if args.experts else ():  # rank e: experts eX/E on
         e, per = axes["expert"].Get_rank(), args.experts // axes["expert"].Get_size()
         moe.experts = nn.ModuleList(moe.experts[e * per:(e + 1) * per])  # marked: their gradients, buckets of their own
         for p in moe.experts.parameters():
             p.expert = True
-        moe.group, moe.routers, moe.scale = axes["expert"], axes["stage"], 1 / (args.micro_batches * args.tp ** args.sequence_parallel)
+        moe.group, moe.routers = axes["expert"], axes["stage"]
+        moe.scale = 1 / (args.micro_batches * args.tp ** args.sequence_parallel)  # the aux loss's share of the step's
     positions = shard_positions(args.seq_len, cp.Get_size(), args.layout)
     ring = Ring(cp, positions, device) if cp.Get_size() > 1 else None
     where = positions[cp.Get_rank()]  # with --sequence-parallel, tensor-parallel rank t's piece of them
@@ -912,19 +922,16 @@ def build_stage(args, axes, device, model=None):
     return stage
 
 def build_optimizer(args, stage, axes):
-    """The gradient buckets (the dense parameters' over "data", the experts' over "expert-data") and
-    the optimizer: ZeRO-1's with --zero-stage 1, else torch's SGD."""
+    """The gradient buckets (dense over "data", experts over "expert-data"), ZeRO-1's or torch's optimizer."""
     dense, experts = ([p for p in stage.parameters() if hasattr(p, "expert") == kind] for kind in (False, True))
-    buckets = GradBuckets([(dense, axes["data"]), (experts, axes["expert-data"])], axes["data"].Get_size(), args.bucket_mb * 2**20,
-                          args.zero_stage == 1)
-    return buckets, ShardedSGD(buckets, args.lr) if buckets.zero else \
-        torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    groups = [(dense, axes["data"]), (experts, axes["expert-data"])]
+    buckets = GradBuckets(groups, axes["data"].Get_size(), args.bucket_mb * 2**20, args.zero_stage == 1)
+    return buckets, ShardedOptimizer(buckets, args) if buckets.zero else make_optimizer(args, stage.parameters())
 
 def blocks_held(args, axes, stage):
-    """For checkpoints: this rank's parameters as blocks of the whole model's tensors, {the whole model's name:
-    (parameter, the whole's shape, offset, size, the parameter's shape in the whole's dimensions)}. A slice starts at
-    t x its size along the dimension shard() cut, its vocabulary padding left out; q, k, v side by side, (3h, ..), are
-    taken as (3, h, ..), in which tensor rank t's heads are one block. Another grid: other blocks of the same ones."""
+    """For checkpoints: this rank's parameters as blocks of the whole model's tensors, {name: (parameter, the whole's
+    shape, offset, size, the parameter's shape in the whole's dimensions)}. A slice starts at t x its size along
+    shard()'s dimension, no padding; q, k, v, (3h, ..), as (3, h, ..): rank t's heads one block."""
     s, t, e = (axes[axis].Get_rank() for axis in ("pipeline", "tensor", "expert"))
     with torch.device("meta"):  # the whole model's shapes, by name: no memory, no init
         shapes = {name: list(w.shape) for name, w in GPT(args).state_dict().items()}
@@ -972,38 +979,38 @@ def share_of(x, y, replica, replicas):
 # -----------------------------------------------------------------------------
 # The run
 # -----------------------------------------------------------------------------
-def train(args, comm, counted, device, stage, optimizer, buckets, actions, timeline, past=()):
-    """This rank's list of `actions` (proven by the dry run), once a step, for the steps after the `past` ones (their
-    losses, from a checkpoint). Returns the global batch's losses of all steps, on every rank, and its timings."""
+def train(args, comm, counted, device, stage, optimizer, buckets, actions, timeline, past=((), ())):
+    """This rank's list of `actions` (proven by the dry run), once a step, after the `past` steps (losses and norms,
+    from a checkpoint). Returns each step's global loss and gradient norm, on every rank, and the timings."""
     pp_comm, dp_comm, cp_comm, tp_comm = (counted[a] for a in ("pipeline", "data", "context", "tensor"))
     reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
     replica = dp_comm.Get_rank() // cp_comm.Get_size()  # the D x C ranks in order (dp, cp)
     positions = shard_positions(args.seq_len, cp_comm.Get_size(), args.layout)[cp_comm.Get_rank()]
-    losses, records, shares = [], [], dp_comm.Get_size()  # D x C ranks, each the mean over its tokens
-    for step in range(len(past), args.steps):
+    losses, norms, records, shares = [], list(past[1]), [], dp_comm.Get_size()  # D x C ranks, each its tokens' mean
+    for step in range(len(past[0]), args.steps):
         start = time.perf_counter()
         x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len), replica, args.dp)
-        x, y = x[:, positions], y[:, positions]  # this rank's positions of its replica's sequences
-        losses.append(train_step(stage, optimizer, buckets, actions, x.to(device), y.to(device),
-                                 args.micro_batches, pp_comm, tp_comm, timeline, args.precision))
-        records.append(timeline.step_record(start))
+        x, y = x[:, positions].to(device), y[:, positions].to(device)  # its positions of its replica's sequences
+        for settings in optimizer.param_groups:
+            settings["lr"] = learning_rate(args, step)
+        loss, norm = train_step(stage, optimizer, buckets, actions, x, y, args, counted, timeline, comm)
+        losses.append(loss), norms.append(norm), records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, shares)[0], records[-1])
-        checkpoint_if_due(comm, args, step, lambda: hybrid_shard(comm, args, counted, stage, optimizer, list(past)
-                          + global_losses(comm, losses, reports, shares)), model_config(args))
-    return list(past) + global_losses(comm, losses, reports, shares), records
+            print_progress(comm, args, step, global_losses(comm, losses[-1:], reports, shares)[0], records[-1], norm)
+        checkpoint_if_due(comm, args, step, lambda: hybrid_shard(comm, args, counted, stage, optimizer, list(past[0])
+                          + global_losses(comm, losses, reports, shares), norms), model_config(args))
+    return list(past[0]) + global_losses(comm, losses, reports, shares), norms, records
 
 def global_losses(comm, losses, reports, shares):
-    """The global batch's losses: the mean of the `shares` (replica, context rank) losses, which only
-    their last stage knows (`reports`: one rank of it). Reporting only: the plain communicator."""
+    """The global batch's losses: the mean of `shares` losses known to their last stage (`reports`: one rank)."""
     total = torch.tensor(losses if reports else [0.0] * len(losses), dtype=torch.float64)
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
     return (total / shares).tolist()
 
 def model_config(args):
     """What a checkpoint holds: the model alone, never the grid (any grid re-cuts it; the state says which wrote it)."""
-    return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len,
-            "vocab": VOCAB, "experts": args.experts, "top_k": args.top_k if args.experts else None}
+    return {"model": "GPT", "vocab": VOCAB, "top_k": args.top_k if args.experts else None,
+            **{key: vars(args)[key] for key in ("layers", "hidden", "heads", "seq_len", "experts", "optimizer")}}
 
 def main(argv=None, comm=MPI.COMM_WORLD):
     """Parse, set up, prove the schedule, train, check, report. Returns the exit status of this rank."""
@@ -1015,28 +1022,28 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         # Every rank writes and proves on paper the lists of all ranks (one verdict), then runs its own, the one proven.
         lists = [one_f_one_b(args.pp, args.micro_batches, coordinates(r, args.dp, args.cp, args.tp)[0])
                  for r in range(comm.Get_size())]
-        ideal, _ = dry_run(lists, args.dp, args.cp, args.tp, args.micro_batches, args.experts > 0)
+        ideal = dry_run(lists, args.dp, args.cp, args.tp, args.micro_batches, args.experts > 0)
         axes = make_grid(comm, args.pp, args.dp, args.cp, args.tp, args.ep)
         counted = {axis: CountedComm(c, run.timeline) for axis, c in axes.items()}
         stage = build_stage(args, counted, run.device)
         buckets, optimizer = build_optimizer(args, stage, counted)
-        past, resumed = [], None
+        past, resumed = ((), ()), None
         if args.resume:  # any grid: each rank asks for the blocks of the whole model that it holds on this one
             resumed, blocks = load_checkpoint(comm, args.save, model_config(args),
                                               lambda manifest: blocks_wanted(args, counted, stage), args.steps)
-            past = restore(args, counted, stage, optimizer, resumed, blocks) if blocks is not None else []
+            past = restore(args, counted, stage, optimizer, resumed, blocks) if blocks is not None else ((), ())
         print_header(comm, args, run, stage, buckets, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
-        losses, records = train(args, comm, counted, run.device, stage, optimizer, buckets,
-                                lists[comm.Get_rank()], run.timeline, past)
+        losses, norms, records = train(args, comm, counted, run.device, stage, optimizer, buckets,
+                                       lists[comm.Get_rank()], run.timeline, past)
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
-    diff = check(comm, args, run.device, losses, stage, counted) if args.check else None
+    diff = check(comm, args, run.device, losses, norms, stage, counted) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
-    return report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff)
+    return report(comm, args, run, stage, buckets, losses, norms, records, counted, ideal, diff)
 
 # =============================================================================
 # You may stop reading here: the strategy is all above. Below, first this file's own machinery
@@ -1047,9 +1054,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
 # What the reference shares with the ranks, and why each is harmless: GPT, Block, attend and
-# build_model (the network), make_batch, torch's SGD and F.cross_entropy. Its own: nn.Linear,
-# nn.Embedding and whole logits, one process, one backward: no f, g, parallel layer, schedule,
-# message or bucket. build_stage cuts the trained reference as each rank's stage was cut, so that
+# build_model (the network), make_batch, make_optimizer (torch's SGD or AdamW, the recipe's
+# settings) and F.cross_entropy. Its own: nn.Linear, nn.Embedding and whole logits, one process,
+# one backward, the learning rates written out (not learning_rate), torch's clip_grad_norm_ (its
+# norm compared as a loss): no f, g, parallel layer, schedule, message, bucket or global_grad_norm. build_stage cuts the trained reference as each rank's stage was cut, so that
 # like is compared with like; the losses, from the uncut model and compared first, show a cut
 # that loses or repeats a part of the model. The mixture of experts it writes apart (reference_moe):
 # its own top K, the capacity counted pair by pair, every expert on every token weighted by gates,
@@ -1065,7 +1073,9 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # the tests' runs it stays above 1e-7 (measured, in their assertions).
 def reference_training(args, device):
     """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear and F.cross_entropy, no MPI."""
-    optimizer, losses = torch.optim.SGD((model := build_model(args).to(device)).parameters(), lr=args.lr, momentum=0.9), []
+    model, lr, W, losses, norms = build_model(args).to(device), args.lr, args.warmup_steps, [], []
+    optimizer = make_optimizer(args, model.parameters())  # torch's SGD or AdamW: the recipe's settings on both sides
+    schedule = [lr * (k + 1) / W for k in range(W)] + [lr if args.lr_schedule == "constant" else lr / 10 + 0.45 * lr * (1 + math.cos(math.pi * k / max(1, args.steps - W))) for k in range(args.steps - W)]
     for step in range(args.steps):  # routed as the grid that trained the step (args.grids: a resume may change it)
         grid = [flags for start, flags in args.grids if start <= step][-1]
         trained = argparse.Namespace(**vars(args) | {flag.replace("-", "_"): value for flag, value in grid.items()})
@@ -1076,9 +1086,11 @@ def reference_training(args, device):
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         optimizer.zero_grad()
         (loss + sum(block.mlp.aux for block in model.blocks if args.experts)).backward()
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
+        optimizer.param_groups[0]["lr"] = schedule[step]
         optimizer.step()
         losses.append(loss.item())
-    return losses, model
+    return losses, norms, model
 
 def reference_moe(moe, args, x):
     """The mixture of experts in one process, written apart from MoE (see the comment above reference_training)."""
@@ -1095,31 +1107,51 @@ def reference_moe(moe, args, x):
             keep[i][p][j] = taken[int(choice[i, p, j])] <= math.ceil(fractions.Fraction(repr(F_)) * K * b * len(where) / X)
     for m in range(M):  # Switch's alpha X sum_e f_e P_e over micro-batch m of every replica; the step's: their mean
         rows = [(d * M + m) * b + i for d in range(D) for i in range(b)]
-        moe.aux = moe.aux + moe.aux_coef * X * sum((choice[rows] == e).sum() / choice[rows].numel() * probs[rows][..., e].mean()
-                                                   for e in range(X)) / M
+        moe.aux = moe.aux + moe.aux_coef * X * sum((choice[rows] == e).sum() / choice[rows].numel() * probs[rows][..., e].mean() for e in range(X)) / M
     gates = (F.one_hot(choice, X) * (probs.gather(-1, choice) * torch.tensor(keep, device=x.device)).unsqueeze(-1)).sum(-2)
     return sum(gates[..., e:e + 1] * expert(x) for e, expert in enumerate(moe.experts))
 
-def check(comm, args, device, losses, stage, counted):
-    """Rank 0 trains the reference and broadcasts it; each rank cuts it as its stage was and compares; all get the max."""
-    reference, (ref_losses, trained) = build_model(args), reference_training(args, device) if comm.Get_rank() == 0 else (None, None)
+# A parameter's optimizer state by its checkpoint name and torch's: float32, shaped as the parameter (or slice)
+MOMENTS = {"sgd": {"momentum": "momentum_buffer"}, "adamw": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
+
+# The tolerances, as the largest |difference| against one process measured. float32, 30 steps (5 blocks, hidden 32,
+# M = 2): every grid of 1, 2, 4 ranks of data, tensor, pipeline 4.8e-7 to 7.2e-7, 2 x 2 x 2 5.4e-7; the ring (zigzag /
+# contiguous): --cp 4 7.7e-7 / 7.2e-7, --cp 2 with --tp 2 7.7e-7 / 1.2e-6, --pp 2 8.3e-7, --dp 2 6.6e-7 / 1.2e-6; ZeRO-1
+# up to 8.0e-7; experts (the tests' 3 steps) with each axis at N = 4 2.1e-7 to 4.8e-7, all five on 16 ranks 3.3e-7; the
+# recipe (AdamW at lr 1e-3, a clip of 1 that acts, warm-up 1, cosine; the tests' 3 steps; the norms compared as losses):
+# --pp 2 --tp 2 --sequence-parallel 2.2e-6, --dp 2 --tp 2 --zero-stage 1 1.6e-6, --dp 4 --ep 2 with experts 8.6e-7.
+# tensor's and pipeline's 2e-5 kept: a 10x nudge shows. bf16, both sides under autocast: the tests' runs (3 steps, grids
+# of 1, 2, 4 ranks, sequence-parallel, contiguous, ZeRO-1) 5.5e-4 to 1.3e-3; the default 40 steps: --tp 2 3.2e-2, --pp 2
+# 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp 2 4.6e-2; the recipe's 3 steps: --pp 2 --tp 2 --sequence-parallel 3.0e-3,
+# --dp 2 --cp 2 3.4e-3, --pp 2 --dp 2 --zero-stage 1 2.9e-3. A 1/N fault: 0.16.
+def check(comm, args, device, losses, norms, stage, counted):
+    """Rank 0 trains the reference and broadcasts it; each rank cuts it as its stage was, compares; all get the max."""
+    reference, (ref_losses, ref_norms, trained) = build_model(args), reference_training(args, device) if comm.Get_rank() == 0 else [None] * 3
     flat = nn.utils.parameters_to_vector((reference if trained is None else trained).parameters()).detach().cpu()
     request = comm.Ibcast(flat, root=0)
     while not request.Test():
         time.sleep(POLL_S)  # the waiting ranks leave the cores to rank 0
     nn.utils.vector_to_parameters(flat, reference.parameters())
-    diff = max_difference(losses, stage.state_dict(), comm.bcast(ref_losses, root=0), build_stage(args, counted, device, reference))
+    diff = max_difference(losses + norms, stage.state_dict(), sum(comm.bcast((ref_losses, ref_norms), root=0), []),
+                          build_stage(args, counted, device, reference))
     return comm.allreduce(diff, op=MPI.MAX)
 
+def activation_bytes(args, s):
+    """The docstring's activations of one micro-batch on stage s (9bs, 8s/c: indices, masks); None with experts."""
+    b, n, h, a, T = args.batch_size // (args.dp * args.micro_batches), args.seq_len // args.cp, args.hidden, args.heads, args.tp
+    e, cut, (lo, hi) = 2 if args.precision == "bf16" else 4, T if args.sequence_parallel else 1, layer_split(args.layers, args.pp)[s]
+    core = (e * b * n * h + 4 * a * b * n) // T if args.cp > 1 else (4 if e == 4 else 6) * a * b * n * n // T + n * n
+    block = (8 * b * n * h + 16 * b * n) // cut + 2 * e * b * n * h + 12 * e * b * n * h // T + core * (args.recompute == "none")
+    block = 4 * b * n * h // cut if args.recompute == "full" else block
+    last = (4 * b * n * h + 8 * b * n) // cut + e * b * n * h + 4 * b * n * padded_vocab(T) // T + 9 * b * n
+    return None if args.experts else (hi - lo) * block + (9 * b * n + 8 * n // cut) * (s == 0) + last * (s == args.pp - 1)
+
 def print_header(comm, args, run, stage, buckets, resumed):
-    (P, D, C, T, M, X), per_rank = (args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.experts), \
-        comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
-    stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss"
-                        * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
+    (P, D, C, T, M, X), per_rank = (args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.experts), comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
+    stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss" * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
     saved = resumed["state"]["grids"][-1][1].items() if resumed else ()
     grid = " ".join(f"--{flag}" + f" {v}" * (v is not True) for flag, v in saved if v is not False)  # that wrote it
-    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks) "
-                    f"with {grid}"] if resumed else []),
+    print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks) with {grid}"] if resumed else []),
            *run.header, f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, {sum(p.numel() for p in build_model(args).parameters()):,} "
            "parameters" + f", each block's MLP {X} experts, top-{args.top_k}, " * (X > 0) + ("dropless" if args.capacity_factor is None else
            f"capacity factor {args.capacity_factor:g}") * (X > 0), f"grid: pp {P} x dp {D} x cp {C} x tp {T} | rank: (pp, dp, cp, tp) "
@@ -1128,7 +1160,7 @@ def print_header(comm, args, run, stage, buckets, resumed):
            f"of {args.heads} heads, {padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows" + f", {args.seq_len // (C * T)} positions between "
            "its layers (sequence parallelism)" * args.sequence_parallel, f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x "
            f"{args.batch_size // (D * M)} sequences of {args.seq_len} characters, each cut over {C} context-parallel ranks ({args.layout}: "
-           f"{args.seq_len // C} positions a rank) | schedule 1f1b, every rank's actions proven on paper first (dry run): no deadlock",
+           f"{args.seq_len // C} positions a rank) | schedule 1f1b, every rank's actions simulated first (dry run): no deadlock",
            f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: {' '.join(str(b) for _, b in per_rank)}"
            f" of <= {args.bucket_mb:g} MB" + " | ZeRO-1: each of a bucket's n ranks steps 1/n of it, all-gathers the rest" * buckets.zero)
 
@@ -1143,7 +1175,7 @@ FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis,
                        "(GL + 2 + F)T x 4BSh + (GL + 1 + F) x eBSh + 4BSh + 12BST + 4MDCT x R_r"),
     ("expert", False): ("collectives 5LMDCT/E + LM", "16h(LKBST' - d) + 2 x 8XLMDCT")}
 
-def report(comm, args, run, stage, buckets, losses, records, counted, ideal, diff):
+def report(comm, args, run, stage, buckets, losses, norms, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
     P, D, C, T, M, steps_run = args.pp, args.dp, args.cp, args.tp, args.micro_batches, max(1, len(records))
     moes = [b.mlp for b in stage.blocks if args.experts]  # dropped: (token, choice) pairs a step, all ranks'
@@ -1154,7 +1186,8 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
     slots, SP = max(e for row in pipeline for _, _, e in row), args.sequence_parallel
     text = {a: FORMULA_TEXT[a, v] for a, v in (("pipeline", SP), ("data", buckets.zero), ("context", False), ("tensor", SP), ("expert", False))}
     saved, saved_formula = comm.allgather(stage.meter.bytes), comm.allgather(activation_bytes(args, counted["pipeline"].Get_rank()))
-    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f})",
+    lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f}) | {args.optimizer}, "
+             f"lr {args.lr:g} {args.lr_schedule}" + f", gradient norm clipped at {sum(n > args.clip_grad for n in norms)} of {len(norms)} steps" * bool(args.clip_grad),
              "ideal timeline of one pipeline (the dry run; F/B: forward/backward of micro-batch i):",
              *(f"stage {s} | " + "".join({start: name for name, start, _ in spans}.get(i, ".").ljust(len(f"B{M - 1}") + 1)
                                          for i in range(slots)).rstrip() for s, spans in enumerate(pipeline)),  # a cell a slot, '.' idle
@@ -1169,11 +1202,11 @@ def report(comm, args, run, stage, buckets, losses, records, counted, ideal, dif
                f"(K+1)-th router probability: {gap:.1e} (float32 rounding, about 1e-7, may flip a smaller one: see the check)"] * bool(moes),
              f"activations one micro-batch's forward saves per rank ({args.precision}, --recompute {args.recompute}), bytes: measured "
              f"{' '.join(map(str, saved))} | formula " + (" ".join(map(str, saved_formula)) if not moes else "not given with experts")]
-    return finish(comm, args, run, losses, records, diff, "losses, parameters", lines, {
+    return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters", lines, {
         "comm_bytes_per_step": sum(m[2] for m in measured.values()), "collectives_per_step": sum(m[0] for m in measured.values()),
-        "grid": {"pp": P, "dp": D, "cp": C, "tp": T, "ep": args.ep}, "layout": args.layout, "zero_stage": args.zero_stage,
-        "experts": args.experts, "top_k": args.top_k, "capacity_factor": args.capacity_factor, "pairs_dropped_per_step":
-        float(dropped), "min_topk_gap": gap if moes else None, "sequence_parallel": SP, "micro_batches": M,
+        "grid": {"pp": P, "dp": D, "cp": C, "tp": T, "ep": args.ep}, **{k: vars(args)[k] for k in ("layout", "zero_stage", "experts", "top_k",
+        "capacity_factor", "optimizer", "clip_grad", "lr_schedule", "warmup_steps")}, "pairs_dropped_per_step": float(dropped),
+        "min_topk_gap": gap if moes else None, "sequence_parallel": SP, "micro_batches": M, "grad_norms": norms,
         "layer_split": layer_split(args.layers, P), "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
         "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()}, "messages_per_step": measured["pipeline"][1],
         "activation_bytes_per_rank": saved, "activation_bytes_formula_per_rank": None if moes else saved_formula,
@@ -1197,8 +1230,7 @@ def overlap_counts(comm, events, m, buckets):
 
 def per_axis(comm, counted, steps_run):
     """Per step, over the grid, by axis: (collectives (once per group), messages, bytes); "stage" counts as "expert"."""
-    out, collectives = collections.defaultdict(lambda: [0, 0, 0]), ("Allreduce", "Iallreduce", "Reduce_scatter_block",
-                                                                   "Ireduce_scatter_block", "Allgather", "Alltoall", "Alltoallv")
+    out, collectives = collections.defaultdict(lambda: [0, 0, 0]), ("Allreduce", "Iallreduce", "Reduce_scatter_block", "Ireduce_scatter_block", "Allgather", "Alltoall", "Alltoallv")
     for name, c in counted.items():
         total = out[{"stage": "expert", "expert-data": "data"}.get(name, name)]
         total[0] += comm.allreduce(sum(c.calls[name] for name in collectives)) / c.Get_size()
@@ -1213,8 +1245,7 @@ def formulas(args, comm, stage, buckets, dropped):
     e, rerun, again = 2 if args.precision == "bf16" else 4, args.recompute != "none", G * L // 2 * (args.recompute == "full")  # R, F
     moved = e * B * S * h  # an activation as it moves: bf16 in bf16 runs; every sum float32
     activation, zero, expert, n, kinds = 4 * B * S * h, args.zero_stage == 1 and N > 1, 8 * h * h + 5 * h, N // E, [hasattr(b[0], "expert") for b in buckets.buckets]
-    params, dense_b, expert_b, dense_pad, expert_pad = (sum(v) for v in zip(*comm.allgather((sum(p.numel() for p in stage.parameters()),
-        kinds.count(False), kinds.count(True), *(sum(e for e, k in zip(buckets.padded, kinds) if k == kind) for kind in (False, True))))))
+    params, dense_b, expert_b, dense_pad, expert_pad = (sum(v) for v in zip(*comm.allgather((sum(p.numel() for p in stage.parameters()), kinds.count(False), kinds.count(True), *(sum(e for e, k in zip(buckets.padded, kinds) if k == kind) for kind in (False, True))))))
     replicated = S * h + 2 * h + L * (5 * h + X * h if X else 6 * h)  # held whole on every tensor-parallel rank
     W = 2 * padded_vocab(T) * h + S * h + L * (4 * h * h + 8 * h + (X * h if X else 8 * h * h + 5 * h)) + 2 * h + (T - 1) * replicated
     W_x, R_r, counts, routed = T * L * X // E * expert, replicated + L * X // E * expert, 8 * X * L * M * N * T, K * B * S * (1 if SP else T)
@@ -1229,28 +1260,38 @@ def formulas(args, comm, stage, buckets, dropped):
             "expert": (5 * L * M * N * T // E * (E > 1) + L * M * (N * T > 1), 0,  # routed: pairs a block, T copies without SP
                        float((16 * h * (L * routed - dropped) + counts) * (E > 1) + counts * (N * T > 1))) if X else (0, 0, 0)}
 
+def check_tags(comm, m):
+    """MPI promises tags up to 32767 only (MPI_TAG_UB says how far this library goes): refuse an M whose largest tag, 2M - 1, it cannot carry, rather than fail inside MPI mid-step."""
+    largest, bound = tag("send_grad", m - 1), comm.Get_attr(MPI.TAG_UB)
+    if largest > bound:
+        raise ConfigError(f"--micro-batches {m} needs message tags up to {largest}, but this MPI's MPI_TAG_UB is {bound}; use --micro-batches {(bound + 1) // 2} or fewer")
+
+SIZES = (("--layers", 4, "transformer blocks"), ("--hidden", 64, "hidden size"), ("--heads", 4, "attention heads"),  # flag, default, help
+         ("--seq-len", 64, "characters per sequence"), ("--pp", 1, "pipeline stages"), ("--cp", 1, "context-parallel ranks: each holds S/C "
+         "positions"), ("--tp", 1, "tensor-parallel ranks per stage"), ("--dp", None, "data-parallel replicas (default: world size / (pp x cp "
+         "x tp))"), ("--micro-batches", None, "micro-batches per replica's share (default: the most, up to 4, that it splits into)"),
+         ("--ep", None, "ranks of an expert group, folded over a stage's D x C (default: the most that divide D x C and the experts)"))
+
 def parse_args(argv, world_size):
     p = common_arguments("Hybrid (pipeline x data x context x tensor x expert) parallelism over MPI: a small GPT on "
                          "Python's own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
-    for flag, default, text in (("--layers", 4, "transformer blocks"), ("--hidden", 64, "hidden size"), ("--heads", 4, "attention heads"),
-                                ("--seq-len", 64, "characters per sequence"), ("--pp", 1, "pipeline stages"), ("--cp", 1, "context-parallel "
-                                "ranks: each holds S/C positions"), ("--tp", 1, "tensor-parallel ranks per stage"), ("--dp", None, "data-parallel "
-                                "replicas (default: world size / (pp x cp x tp))"), ("--micro-batches", None, "micro-batches per replica's "
-                                "share (default: the most, up to 4, that it splits into)"), ("--ep", None, "ranks of an expert group, folded "
-                                "over a stage's D x C (default: the most that divide D x C and the experts)")):
+    for flag, default, text in SIZES:
         p.add_argument(flag, type=COUNT, default=default, help=text)
-    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel ranks outside "
-                   "their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"), help="context parallelism's positions: chunks c and "
-                   "2C-1-c of 2C (zigzag), or the c-th of C")
+    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel ranks outside their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"), help="context parallelism's positions: chunks c and 2C-1-c of 2C (zigzag), or the c-th of C")
     p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
     p.add_argument("--experts", type=COUNT_OR_0, default=0, help="expert MLPs in every block (0: the dense MLP)")
     p.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
     p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(F K n / X) pairs per expert from each rank's n tokens (default: dropless)")
     p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01, help="alpha of the load-balancing loss")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's momentum sharded over the ranks that sum "
-                   "each gradient (ZeRO-1: reduce-scatter, step a slice, all-gather)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's state sharded over the ranks that sum each gradient (ZeRO-1: reduce-scatter, step a slice, all-gather)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="SGD (momentum 0.9) or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ does (0: off)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant", help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s (from 0) at lr (s + 1) / W")
     args = check_common(p.parse_args(argv))
+    if args.warmup_steps >= args.steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves no step of --steps {args.steps}; use fewer")
     if args.sequence_parallel and args.tp == 1:
         raise ConfigError("--sequence-parallel cuts the sequence between tensor-parallel ranks: use it with --tp 2 or more")
     if args.hidden % args.heads:
@@ -1291,50 +1332,44 @@ def parse_args(argv, world_size):
     return args
 
 def grid_flags(args):
-    """The flags that place the ranks and cut the batch, as the header prints them; the check's reference routes
-    each step as they did (the load-balancing loss over a micro-batch of all replicas, a capacity per rank)."""
-    return {"pp": args.pp, "dp": args.dp, "cp": args.cp, "tp": args.tp, "ep": args.ep, "layout": args.layout,
-            "micro-batches": args.micro_batches, "zero-stage": args.zero_stage,
-            "sequence-parallel": args.sequence_parallel}
+    """The flags that place the ranks and cut the batch, as the header prints them; the check's reference routes each step as they did."""
+    return {flag: vars(args)[flag.replace("-", "_")] for flag in ("pp", "dp", "cp", "tp", "ep", "layout", "micro-batches", "zero-stage", "sequence-parallel")}
 
 # --- Checkpoints: the blocks of blocks_held(), each written once, asked for again on any grid
 def blocks_wanted(args, axes, stage):
-    """What a resuming rank asks load_checkpoint for: the blocks it holds on this grid, and their momentum."""
-    held = blocks_held(args, axes, stage)
-    return {name: region(*held[key][1:4]) for key in held for name in (key, f"momentum/{key}")}
+    """What a resuming rank asks load_checkpoint for: the blocks it holds on this grid, and their optimizer state."""
+    return {name: region(*held[1:4]) for key, held in blocks_held(args, axes, stage).items() for name in (key, *(f"{k}/{key}" for k in MOMENTS[args.optimizer]))}
 
-def hybrid_shard(comm, args, axes, stage, optimizer, losses):
-    """(pieces, state) of this rank: its blocks of every parameter and momentum (see the docstring: which of the ranks
-    that hold one writes it); state (global rank 0's): the losses so far and the grids. Collective under ZeRO-1."""
-    if isinstance(optimizer, ShardedSGD):
-        momentum = optimizer.momentum()
-    else:  # none before a first step: zeros, the same to SGD
-        momentum = {p: optimizer.state[p].get("momentum_buffer", torch.zeros_like(p)) for p in stage.parameters()}
-    pieces = {}
+def hybrid_shard(comm, args, axes, stage, optimizer, losses, norms):
+    """(pieces, state) of this rank: its blocks of every parameter and its optimizer state, written by the first of the
+    ranks that hold it; state (global rank 0's): the losses, norms, grids, AdamW's step count. Collective under ZeRO-1."""
+    kinds, sharded = MOMENTS[args.optimizer], isinstance(optimizer, ShardedOptimizer)
+    state = {kind: optimizer.moments(field) if sharded else {p: optimizer.state[p].get(field, torch.zeros_like(p)) for p in stage.parameters()} for kind, field in kinds.items()}
+    pieces, steps = {}, [int(s["step"]) for s in optimizer.state.values() if "step" in s][:1]  # SGD: none
     for key, (p, shape, offset, size, view) in blocks_held(args, axes, stage).items():
         holders = axes["expert-data" if hasattr(p, "expert") else "data"]
         if holders.Get_rank() == 0 and (hasattr(p, "sliced") or axes["tensor"].Get_rank() == 0):
-            for name, tensor in ((key, p), (f"momentum/{key}", momentum[p])):
+            for name, tensor in [(key, p)] + [(f"{kind}/{key}", state[kind][p]) for kind in kinds]:
                 pieces[name] = piece(tensor.detach().reshape(view)[tuple(map(slice, size))], shape, offset)
-    return pieces, {"losses": losses, "grids": args.grids} if comm.Get_rank() == 0 else None
+    return pieces, {"losses": losses, "grad_norms": list(norms), "grids": args.grids, **{"adamw_step": s for s in steps}} if comm.Get_rank() == 0 else None
 
 def restore(args, axes, stage, optimizer, manifest, blocks):
-    """Each parameter and its momentum from the blocks asked for, the padding rows zero; ZeRO-1 cuts its slices from
-    them. The grids that trained the steps so far go before this one's. Returns the losses so far (the step: their
-    number)."""
-    momentum = {}
+    """Each parameter and its optimizer state from the blocks asked for, the padding rows zero; ZeRO-1 cuts its slices
+    from them. The grids that trained the steps so far go before this one's. Returns the losses and norms so far."""
+    state, kinds = manifest["state"], MOMENTS[args.optimizer]
+    moments, step = {field: {} for field in kinds.values()}, {"step": torch.tensor(float(state["adamw_step"]))} if "adamw_step" in state else {}
     with torch.no_grad():
         for key, (p, _, _, size, view) in blocks_held(args, axes, stage).items():
-            momentum[p] = torch.zeros_like(p)
-            for into, block in ((p, blocks[key]), (momentum[p], blocks[f"momentum/{key}"])):
+            for name, into in [(key, p)] + [(f"{k}/{key}", moments[f].setdefault(p, torch.zeros_like(p))) for k, f in kinds.items()]:
                 into.zero_()  # the vocabulary's padding rows, as shard() made them
-                into.view(view)[tuple(map(slice, size))] = block.to(into.device)
-    if isinstance(optimizer, ShardedSGD):
-        optimizer.load_momentum(momentum)
+                into.view(view)[tuple(map(slice, size))] = blocks[name].to(into.device)
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.load_moments(moments, step)
     else:
-        optimizer.state.update({p: {"momentum_buffer": m} for p, m in momentum.items()})
-    args.grids = manifest["state"]["grids"] + [[manifest["step"], grid_flags(args)]]
-    return manifest["state"]["losses"]
+        for p in stage.parameters():
+            optimizer.state[p].update({f: moments[f][p] for f in moments} | {k: v.clone() for k, v in step.items()})
+    args.grids = state["grids"] + [[manifest["step"], grid_flags(args)]]
+    return state["losses"], state["grad_norms"]
 
 # --- The machinery every strategy file shares, word for word (tests/test_machinery.py) ---
 def max_difference(losses, state, ref_losses, ref_model):

@@ -55,12 +55,12 @@ def test_megatron_order_tp_consecutive_then_cp_then_dp_then_pp(pp, dp, cp, tp):
 @pytest.mark.parametrize("pp,dp,cp,tp", [g for g in itertools.product(range(1, 5), repeat=4) if g[1] * g[2] * g[3] <= 16])
 def test_dry_run_proves_1f1b_on_every_grid_up_to_4x4x4x4(pp, dp, cp, tp):
     for m in (1, 2, 3, 5):
-        spans, peak = hp.dry_run(lists(pp, dp, cp, tp, m), dp, cp, tp, m)
+        spans = hp.dry_run(lists(pp, dp, cp, tp, m), dp, cp, tp, m)
         slots = max(e for row in spans for _, _, e in row)
         assert 1 - 2 * m / slots == pytest.approx((pp - 1) / (m + pp - 1))
         for r in range(pp * dp * cp * tp):
             p, d, c, t = hp.coordinates(r, dp, cp, tp)
-            assert peak[r] == min(m, pp - p)  # 1F1B's memory bound
+            assert peak_held(spans[r]) == min(m, pp - p)  # 1F1B's memory bound
             assert spans[r] == spans[hp.rank_at(p, 0, 0, 0, dp, cp, tp)]  # a stage's ranks move together
             when = {label: s for label, s, _ in spans[r]}
             if p > 0:  # forward goes down the stages, backward comes back up
@@ -82,6 +82,15 @@ def test_the_largest_tag_is_checked_against_what_the_library_allows():
     with pytest.raises(hp.ConfigError, match=r"--micro-batches 16385 needs message tags up to 32769, .* "
                                              r"MPI_TAG_UB is 32767; use --micro-batches 16384 or fewer"):
         hp.check_tags(Promised(), 16385)
+
+
+def peak_held(spans):
+    """The most micro-batches a rank holds at once between their forward and backward, from its timeline."""
+    held = peak = 0
+    for label, _, _ in sorted(spans, key=lambda span: span[1]):
+        held += 1 if label.startswith("F") else -1
+        peak = max(peak, held)
+    return peak
 
 
 def broken(kind):
@@ -214,16 +223,16 @@ def train_on(comm, pp, dp, cp, tp, extra=(), remove_overlap=False, plant=None, c
     sends = watch_sends(counted["pipeline"], wait_at_once=remove_overlap)
     if remove_overlap:
         start_buckets_after_backward(buckets)
-    losses, _ = hp.train(args, comm, counted, CPU, stage, optimizer, buckets, lists[comm.Get_rank()], timeline)
+    losses, norms, _ = hp.train(args, comm, counted, CPU, stage, optimizer, buckets, lists[comm.Get_rank()], timeline)
     overlap = hp.overlap_counts(comm, timeline.step_events, args.micro_batches, buckets)
     measured = hp.per_axis(comm, counted, args.steps)
     dropped = comm.allreduce(sum(b.mlp.dropped for b in stage.blocks if args.experts))
     gap = comm.allreduce(min([b.mlp.gap for b in stage.blocks if args.experts], default=float("inf")), op=hp.MPI.MIN)
     formula = hp.formulas(args, comm, stage, buckets, hp.fractions.Fraction(dropped, args.steps))
     members = {axis: c.comm.allgather(world().Get_rank()) for axis, c in counted.items()}
-    diff = hp.check(comm, args, CPU, losses, stage, counted) if check else None
+    diff = hp.check(comm, args, CPU, losses, norms, stage, counted) if check else None
     return losses, diff, measured, formula, members, overlap, [r.tests for r in sends], \
-        comm.allgather(sum(c.Get_size() > 1 for c in buckets.comms)), optimizer, (dropped, gap), stage
+        comm.allgather(sum(c.Get_size() > 1 for c in buckets.comms)), optimizer, (dropped, gap), stage, norms
 
 
 def promised_overlap(pp, dp, cp, tp, m, buckets):
@@ -237,7 +246,7 @@ def promised_overlap(pp, dp, cp, tp, m, buckets):
 
 
 def assert_trains_like_one_process(comm, pp, dp, cp, tp, extra=()):
-    losses, diff, measured, formula, members, overlap, tests, buckets, _, dropped, _ = train_on(comm, pp, dp, cp, tp, extra)
+    losses, diff, measured, formula, members, overlap, tests, buckets, _, dropped, *_ = train_on(comm, pp, dp, cp, tp, extra)
     limit = hp.TOLERANCE_BF16 if "bf16" in extra else hp.TOLERANCE
     assert max_everywhere(diff, comm) <= limit, (pp, dp, cp, tp, diff)
     assert agree(losses[-1] < losses[0], comm)
@@ -295,7 +304,7 @@ def test_zero_1_trains_like_one_process_with_a_slice_of_the_momentum_on_each_ran
     with sub_comm(4) as comm:
         if comm is not None:
             assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--zero-stage", "1", *extra])
-            *_, optimizer, _, _ = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
+            _, _, _, _, _, _, _, _, optimizer, *_ = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
             kept = sum(s["momentum_buffer"].numel() for s in optimizer.state_dict()["state"].values())
             assert agree(kept == sum(optimizer.buckets.padded) // (dp * cp), comm)
 
@@ -396,7 +405,7 @@ def test_recomputation_keeps_what_the_formula_says_with_the_same_losses(pp, dp, 
         if comm is not None:
             runs = {}
             for mode in ("none", "selective", "full"):
-                losses, _, measured, formula, *_, stage = train_on(comm, pp, dp, cp, tp, [*extra, "--recompute", mode,
+                losses, _, measured, formula, *_, stage, _ = train_on(comm, pp, dp, cp, tp, [*extra, "--recompute", mode,
                                                                                           "--steps", "2"], check=False)
                 args = hp.parse_args(TINY + ["--pp", str(pp), "--cp", str(cp), "--tp", str(tp), *extra, "--recompute", mode], 4)
                 runs[mode] = (losses, stage.meter.bytes, measured)
@@ -442,7 +451,7 @@ def test_the_overlap_counts_fall_when_the_overlap_is_removed():
     no bucket is posted before a later gradient and no send stays in flight while the rank computes."""
     with sub_comm(4) as comm:
         if comm is not None:
-            _, diff, *_, overlap, _, buckets, _, _, _ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
+            _, diff, _, _, _, overlap, _, buckets, *_ = train_on(comm, 2, 2, 1, 1, ["--bucket-mb", str(2 / 1024)],
                                                         remove_overlap=True)
             assert max_everywhere(diff, comm) <= hp.TOLERANCE
             promised = promised_overlap(2, 2, 1, 1, 2, buckets)
@@ -491,6 +500,76 @@ def test_a_full_bucket_is_posted_before_the_last_backward_computes_the_next_buck
             ok = n >= 4 and [i for i, *_ in buckets.pending] == list(range(n)) and in_order == [not remove_overlap] * (n - 1) \
                 and count["buckets_posted_before_later_gradients"] == [0 if remove_overlap else 2 * (n - 1), 2 * n]
         assert agree(ok)
+
+
+# -----------------------------------------------------------------------------
+# The recipe: AdamW, the clip to the global gradient norm, the warm-up and the cosine
+# -----------------------------------------------------------------------------
+# lr 1e-3 and a clip of 1, below every step's norm of TINY's 3 steps (1.6 to 2.3 at --tp 2, measured): it acts.
+RECIPE = ["--optimizer", "adamw", "--lr", "1e-3", "--clip-grad", "1", "--lr-schedule", "cosine", "--warmup-steps", "1"]
+
+
+def test_a_warm_up_as_long_as_the_run_is_refused_in_one_line():
+    with pytest.raises(hp.ConfigError, match=r"--warmup-steps 3 leaves no step of --steps 3; use fewer"):
+        hp.parse_args(TINY + ["--warmup-steps", "3"], 1)
+    assert [hp.learning_rate(hp.parse_args(TINY + RECIPE, 1), s) for s in range(3)] == \
+        pytest.approx([1e-3, 1e-3, 0.55e-3])  # warm-up (s + 1)/W; then the cosine's lr, then halfway to lr / 10
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(2, 1, 1, 2, ["--sequence-parallel"]), (1, 2, 1, 2, ["--zero-stage", "1"]),
+                                               (1, 4, 1, 1, ["--ep", "2", *EXPERTS])])
+def test_the_recipe_trains_like_one_process_with_the_norm_of_each_parameter_once(pp, dp, cp, tp, extra):
+    """AdamW, a clip that acts at every step, warm-up and cosine: the losses, the norms (as losses) and the
+    parameters against one process's torch AdamW and clip_grad_norm_, on a grid of stages and tensor-parallel
+    slices, one of ZeRO-1's shards (each rank's AdamW holds both moments of its slice of each bucket alone) and
+    one of experts held twice over 4 replicas."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            _, diff, *_, optimizer, _, _, norms = train_on(comm, pp, dp, cp, tp, RECIPE + extra)
+            assert max_everywhere(diff, comm) <= hp.TOLERANCE, diff
+            assert agree(min(norms) > 1, comm), norms  # the clip acted at every step
+            if "--zero-stage" in extra:
+                state = optimizer.state_dict()["state"].values()
+                moments = [sum(s[field].numel() for s in state) for field in ("exp_avg", "exp_avg_sq")]
+                assert agree(moments == [sum(optimizer.buckets.padded) // (dp * cp)] * 2, comm), moments
+
+
+def counted_on_every_tensor_rank(p, axes, sharded=False):
+    """Planted: a parameter whole on the T ranks adds its squares on each of them."""
+    return sharded or axes["expert-data" if hasattr(p, "expert") else "data"].Get_rank() == 0
+
+
+def experts_on_every_replica(p, axes, sharded=False, real=hp.adds_squares):
+    """Planted: an expert adds its squares on each of the D x C / E ranks that hold it."""
+    return real(p, axes, sharded or hasattr(p, "expert"))
+
+
+def one_stage_alone(stage, buckets, axes, comm, real=hp.global_grad_norm):
+    """Planted: the squares summed over the ranks of this stage alone, the other stages' missing."""
+    return real(stage, buckets, axes, axes["stage"].comm)
+
+
+def a_step_ahead(args, step, real=hp.learning_rate):
+    """Planted: the schedule one step off."""
+    return real(args, step + 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name,plant,grid", [("adds_squares", counted_on_every_tensor_rank, (1, 1, 1, 2, [])),
+                                             ("adds_squares", experts_on_every_replica, (1, 2, 1, 1, ["--ep", "1", *EXPERTS])),
+                                             ("global_grad_norm", one_stage_alone, (2, 1, 1, 1, [])),
+                                             ("learning_rate", a_step_ahead, (1, 2, 1, 1, []))])
+def test_negative_control_a_norm_that_counts_a_parameter_wrongly_or_a_schedule_off_by_one_fails_the_check(
+        name, plant, grid, monkeypatch):
+    """Each planted bug on 2 ranks, the recipe's flags: a replicated parameter counted on both tensor-parallel
+    ranks, an expert counted on both replicas that hold it (--ep 1 --dp 2), the other stage's squares missing,
+    the learning rate of the next step. The check (the norms compared as losses) must fail."""
+    monkeypatch.setattr(hp, name, plant)
+    with sub_comm(2) as comm:
+        if comm is not None:
+            diff = train_on(comm, *grid[:4], RECIPE + grid[4])[1]
+            assert max_everywhere(diff, comm) > 10 * hp.TOLERANCE, diff
 
 
 # -----------------------------------------------------------------------------
@@ -596,6 +675,31 @@ def test_after_a_resume_the_check_replays_each_step_as_the_grid_that_trained_it(
     status, result, out, _ = run_main(capsys, "one", "--steps", 4, "--resume", "--check", *more)
     assert status == 0 and "--dp 2" in out.splitlines()[0] and result["check_max_abs_diff"] <= hp.TOLERANCE, out
     assert result["pairs_dropped_per_step"] > 0
+
+
+@pytest.mark.mpi
+def test_the_recipe_resumes_on_another_grid_with_its_moments_and_its_schedule(tmp_path_factory, capsys, monkeypatch):
+    """AdamW (its moments ZeRO-1's slices on 2 of 4 replicas), a clip that acts (0.5, below the one-process
+    norms 1.0 to 2.3 of these 4 steps, measured), warm-up and cosine: 2 steps saved on dp-ep-zero, resumed on
+    dp-tp-sp-zero (other slices of the moments, AdamW's step count from the checkpoint). The check against 4
+    uninterrupted steps of one process, norms compared as losses, passes; the saved steps' norms are kept.
+    Negative control: the same resume with the schedule one step off (a_step_ahead) fails the check."""
+    source = world().bcast(str(tmp_path_factory.mktemp("recipe")), root=0)
+    recipe = [*RECIPE, "--clip-grad", "0.5", "--steps", 4]
+    status, before, *_ = run_main(capsys, "dp-ep-zero", *recipe, "--save-every", 2, "--save", source, "--no-check")
+    assert status == 0
+    for planted in (True, False):
+        folder = world().bcast(str(tmp_path_factory.mktemp("recipe-resumed")), root=0)
+        if world().Get_rank() == 0:
+            shutil.copytree(os.path.join(source, "step-000002"), os.path.join(folder, "step-000002"))
+        with monkeypatch.context() as patch:
+            if planted:
+                patch.setattr(hp, "learning_rate", a_step_ahead)
+            status, result, out, _ = run_main(capsys, "dp-tp-sp-zero", *recipe, "--save", folder, "--resume", "--check")
+        assert "at step 2 (written by 4 ranks)" in out and status == (1 if planted else 0), out
+        if not planted:
+            assert result["grad_norms"][:2] == before["grad_norms"][:2] and min(result["grad_norms"]) > 0.5
+            assert result["check_max_abs_diff"] <= hp.TOLERANCE, result["check_max_abs_diff"]
 
 
 @pytest.mark.mpi
