@@ -2,8 +2,8 @@ r"""Data parallelism over MPI: every rank holds the whole model and a slice of e
 
 What is split: the data. Each optimizer step takes one global batch of B samples (--batch-size,
 the same at every world size) and gives each of the N ranks B/N of them. Every rank holds a full
-copy of the model, computes the loss and the gradients of its slice, and the gradients are
-averaged with allreduce, so every rank takes the identical optimizer step.
+copy of the model and computes its slice's share of the batch's mean loss (its losses' sum over the
+batch's count of targets) and its gradients, which allreduce sums: every rank takes the same step.
 
             global batch of B samples
      +-----------+-----------+-----------+-----------+
@@ -14,16 +14,17 @@ averaged with allreduce, so every rank takes the identical optimizer step.
      | rank 0  | | rank 1  | | rank 2  | | rank 3  |   each: the whole model
      | fwd+bwd | | fwd+bwd | | fwd+bwd | | fwd+bwd |   (parameters, optimizer state)
      +---------+ +---------+ +---------+ +---------+
-          \___________ allreduce(gradients) / N ___/   buckets, overlapped with backward
+          \____________ allreduce(gradients) _____/   a sum, buckets overlapped with backward
                                 |
                   identical optimizer step on every rank
 
-Communication per step: gradients of P parameters, G = 4P bytes in float32, summed by one
-allreduce per bucket (one in all with --no-overlap). A bucket closes as soon as it holds at least
---bucket-mb, so the parameter that crosses the cap stays in it: at most ceil(G / bucket) buckets,
-fewer where large parameters cross (the header prints their real sizes). A ring allreduce moves 2(N-1)/N x G bytes
-in and out of each rank, whatever N. With --sync-bn, each BatchNorm layer adds one allreduce of
-2C+1 float64 statistics forward and one of 2C float32 sums backward.
+Communication per step: gradients of P parameters, G = 4P bytes in float32, summed by one allreduce
+per bucket (one in all with --no-overlap). A bucket closes as soon as it holds at least --bucket-mb,
+so the parameter that crosses the cap stays in it: at most ceil(G / bucket) buckets, fewer where
+large parameters cross (the header prints their real sizes). A ring allreduce moves 2(N-1)/N x G
+bytes in and out of each rank, whatever N. With --sync-bn, each BatchNorm layer adds one allreduce
+of 2C+1 float64 statistics forward and one of 2C float32 sums backward. --ragged adds one of 8
+bytes, the step's count of targets (count_targets).
 
 Overlap (bucketing, as in PyTorch DDP, Li et al. 2020): gradients are grouped into buckets of
 --bucket-mb in reverse registration order, the order backward produces them. A post-accumulate-
@@ -104,18 +105,17 @@ POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core 
 
 
 # -----------------------------------------------------------------------------
-# The strategy: average the gradients over the ranks, bucket by bucket, while backward runs
+# The strategy: sum the gradients over the ranks, bucket by bucket, while backward runs
 # -----------------------------------------------------------------------------
 class GradBuckets:
-    """PyTorch DDP's reducer in miniature: average gradients over ranks, bucket by bucket.
+    """PyTorch DDP's reducer in miniature: sum gradients over ranks, bucket by bucket.
 
     Buckets follow reverse registration order, the order in which backward produces gradients.
     With overlap, a post-accumulate-grad hook counts a bucket's gradients and starts its
-    non-blocking allreduce the moment the last one is in, while backward goes on.
-    """
+    non-blocking allreduce the moment the last one is in, while backward goes on."""
 
     def __init__(self, params, comm, bucket_bytes, overlap):
-        self.comm, self.overlap, self.world_size = comm, overlap, comm.Get_size()
+        self.comm, self.overlap = comm, overlap
         self.buckets, size = [[]], 0
         for p in reversed(list(params)):
             if size >= bucket_bytes:
@@ -154,7 +154,7 @@ class GradBuckets:
             request.Test()  # MPICH moves a non-blocking collective forward only inside MPI calls
 
     def reduce(self, backward):
-        """Run backward with the exchange; leave averaged gradients in .grad. backward comes as a
+        """Run backward with the exchange; leave summed gradients in .grad. backward comes as a
         function because the exchange starts inside it, from the hooks: reduce() opens the
         exchange before it and completes every bucket after it."""
         self.exchanging, self.ready, self.pending = True, [0] * len(self.buckets), []
@@ -175,7 +175,6 @@ class GradBuckets:
             self._unflatten(self.buckets[i], from_mpi(flat, buffer))
 
     def _unflatten(self, params, flat):
-        flat /= self.world_size
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -188,8 +187,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
     forward:  one allreduce of [sum x, sum x^2, count] per channel; var = E[x^2] - E[x]^2
               still cancels, and float64 makes that harmless
     backward: one allreduce of [sum dy, sum dy*xhat] per channel. Each rank's dy is that of its
-              own loss; the gradient allreduce later divides by N, which makes these global sums
-              exactly N times those of the mean loss, as they must be.
+              share of the step's mean loss, so these global sums are the mean loss's, as the
+              gradient allreduce's sum is later.
     """
 
     @staticmethod
@@ -243,6 +242,12 @@ def mpi_buffer(t, nonblocking=False):
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
 
 
+def receive_buffer(t):
+    """Where MPI writes a result for t: t itself, or an empty pinned host buffer. Never a copy of t:
+    MPI overwrites it, and the copy would cost a transfer from the device."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t.is_cuda and not CUDA_AWARE else mpi_buffer(t)
+
+
 def from_mpi(t, buffer):
     """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
     if buffer is not t:
@@ -272,11 +277,11 @@ class BatchNorm(nn.BatchNorm2d):
 
 def replicate(args, comm, device, sync_bn_comm=None):
     """The model from the seed, rank 0's copy broadcast to all and proven identical, its
-    optimizer, and the buckets that will average its gradients over comm."""
+    optimizer, and the buckets that will sum its gradients over comm."""
     model = build_model(args.seed, device, sync_bn_comm if args.sync_bn else None)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            buffer = mpi_buffer(t.data)
+            buffer = mpi_buffer(t.data) if comm.Get_rank() == 0 else receive_buffer(t.data)
             comm.Bcast(buffer, root=0)
             from_mpi(t.data, buffer)
     sums = comm.allgather(checksum(model))
@@ -287,16 +292,28 @@ def replicate(args, comm, device, sync_bn_comm=None):
     return model, optimizer, buckets
 
 
-def train_step(model, optimizer, buckets, images, labels, accum_steps, timeline, precision="fp32", clip=0.0):
-    """One optimizer step on this rank's slice, cut into accum_steps micro-batches; returns the loss
-    and the gradient norm. In bf16, forward and loss under autocast; backward outside it (it
-    follows the forward's casts)."""
+def count_targets(comm, labels):
+    """The step's count of valid targets, over the ranks (comm) and the micro-steps (labels: this
+    rank's whole slice, made on the CPU): one allreduce of a number, before the forward. --ragged
+    makes about half the samples padding (a blank image, its target IGNORE), spread unevenly over
+    the ranks, and each rank divides its losses' sum by this count. A per-rank mean, averaged over
+    the ranks, would weigh each target of a rank that holds fewer of them more: a gradient that is
+    not one process's on the whole batch."""
+    count = (labels != IGNORE).sum().double().reshape(1)
+    comm.Allreduce(MPI.IN_PLACE, count, op=MPI.SUM)
+    return count.item()
+
+
+def train_step(model, optimizer, buckets, images, labels, count, accum_steps, timeline, precision="fp32", clip=0.0):
+    """One optimizer step on this rank's slice, cut into accum_steps micro-batches; count: the step's
+    valid targets over every rank. Returns this rank's share of the loss and the gradient norm. In
+    bf16, forward and loss under autocast; backward outside it (it follows the forward's casts)."""
     optimizer.zero_grad(set_to_none=False)
     total = torch.zeros((), device=images.device)
     for k in range(accum_steps):
         x, y = slice_of(images, labels, k, accum_steps)
-        with timeline.span("compute", "forward"), autocast(x.device, precision):
-            loss = F.cross_entropy(model(x).float(), y) / accum_steps  # the loss in float32
+        with timeline.span("compute", "forward"), autocast(x.device, precision):  # the loss in float32
+            loss = F.cross_entropy(model(x).float(), y, ignore_index=IGNORE, reduction="sum") / count
         total += loss.detach()  # on the device: no synchronization until the step ends
 
         def backward():
@@ -357,6 +374,7 @@ def checksum(model):
 # The data: ten classes of smooth random 28x28 patterns under heavy noise, made from the seed
 # -----------------------------------------------------------------------------
 CLASSES, NOISE = 10, 4.0
+IGNORE = -100  # the target of a padding sample (--ragged): F.cross_entropy's ignore_index leaves it out
 
 
 def prototypes(seed):
@@ -366,11 +384,15 @@ def prototypes(seed):
     return (smooth - smooth.mean()) / smooth.std()
 
 
-def make_batch(seed, step, size):
-    """The global batch of one step: a function of (seed, step) alone, so any rank can cut it."""
+def make_batch(seed, step, size, ragged=False):
+    """The global batch of one step: a function of (seed, step) alone, so any rank can cut it. ragged:
+    then one more draw per sample, from the same generator, makes about half of them padding."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     labels = torch.randint(CLASSES, (size,), generator=g)
     images = prototypes(seed)[labels] + NOISE * torch.randn(size, 1, 28, 28, generator=g)
+    if ragged:
+        padding = torch.randint(2, (size,), generator=g).bool()
+        images[padding], labels[padding] = 0.0, IGNORE
     return images, labels
 
 
@@ -400,7 +422,7 @@ def learning_rate(args, step):
 
 def clip_gradients(model, max_norm):
     """The global gradient norm, in float32, and the clip to max_norm (0: none). After the allreduce
-    every rank holds the same averaged gradient, so the norm needs no exchange: a norm of a rank's
+    every rank holds the same summed gradient, so the norm needs no exchange: a norm of a rank's
     own gradient before it would be a different number on every rank, and the replicas would part."""
     norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()]))
     if max_norm:
@@ -422,25 +444,28 @@ def accuracy(model, seed, device):
 # -----------------------------------------------------------------------------
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
-def train(args, comm, device, model, optimizer, buckets, timeline, past=(), world_sizes=(), norms=()):
-    """The steps after the `past` ones (their global losses and gradient norms, from a checkpoint).
-    Returns this rank's losses of the new steps, every step's gradient norm and the timings."""
+def train(args, comm, device, model, optimizer, buckets, timeline, past=(), world_sizes=(), norms=(),
+          count_comm=None):
+    """The steps after the `past` ones (their global losses and gradient norms, from a checkpoint);
+    count_comm: the communicator of --ragged's count (default comm). Returns this rank's shares of
+    the new steps' losses, every step's gradient norm and the timings."""
     rank, world_size = comm.Get_rank(), comm.Get_size()
     losses, records, norms = [], [], list(norms)
     for step in range(len(past), args.steps):
         start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step)
-        images, labels = make_batch(args.seed, step, args.batch_size)
-        images, labels = slice_of(images.to(device), labels.to(device), rank, world_size)
-        loss, norm = train_step(model, optimizer, buckets, images, labels, args.accum_steps, timeline,
-                                args.precision, args.clip_grad)
+        images, labels = slice_of(*make_batch(args.seed, step, args.batch_size, args.ragged), rank, world_size)
+        # Without padding every sample is a target: the count is the batch size, no exchange needed
+        count = count_targets(count_comm or comm, labels) if args.ragged else args.batch_size
+        loss, norm = train_step(model, optimizer, buckets, images.to(device), labels.to(device), count,
+                                args.accum_steps, timeline, args.precision, args.clip_grad)
         losses.append(loss)
         norms.append(norm)
         records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
-            print_progress(comm, args, step, mean_loss, records[-1], norm)
+            step_loss = comm.allreduce(losses[-1])  # the shares summed; reporting only, not counted
+            print_progress(comm, args, step, step_loss, records[-1], norm)
         checkpoint_if_due(comm, args, step, lambda: data_parallel_shard(
             comm, model, optimizer, list(past) + global_losses(comm, losses),
             list(world_sizes) + [world_size] * len(losses), norms), {"model": "LeNet-5+BN"})
@@ -448,10 +473,10 @@ def train(args, comm, device, model, optimizer, buckets, timeline, past=(), worl
 
 
 def global_losses(comm, losses):
-    """Every rank's loss is that of its slice; the step's loss is their mean."""
+    """Every rank's loss is its share of the step's; the step's loss is their sum."""
     total = torch.tensor(losses, dtype=torch.float64)
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-    return (total / comm.Get_size()).tolist()
+    return total.tolist()
 
 
 def average_buffers(model, comm):
@@ -471,7 +496,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         args = parse_args(argv, comm.Get_size())
         check_paths(comm, args)
         run = setup(comm, args)
-        counted = {"gradients": CountedComm(comm, run.timeline), "syncbn": CountedComm(comm, run.timeline)}
+        counted = {name: CountedComm(comm, run.timeline) for name in ("gradients", "syncbn", "targets")}
         model, optimizer, buckets = replicate(args, counted["gradients"], run.device, counted["syncbn"])
         for c in counted.values():
             c.reset()  # count the training steps only
@@ -483,7 +508,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         print_header(comm, args, run, model, buckets, resumed)
         run.memory.reset()  # the peak of training alone: not the model's building, nor the check
         losses, records, norms = train(args, comm, run.device, model, optimizer, buckets, run.timeline,
-                                       past, world_sizes, norms)
+                                       past, world_sizes, norms, counted["targets"])
         run.memory.stop()
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
@@ -510,31 +535,38 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
 # What the reference shares with the ranks, and why each is harmless: LeNet and build_model (the
 # network: a bug there trains alike at every N and proves nothing about the exchange), make_batch
-# and learning_rate (the data and the schedule, functions of the step alone), torch's SGD and
-# F.cross_entropy, autocast (torch.autocast, or nothing), and the BatchNorm class, which without a communicator is nn.BatchNorm2d. What
-# the check proves is written here anew: which samples each rank and micro-step takes (index
-# arithmetic, not slice_of), the gradients' mean (one backward of the slices' summed losses, no
-# GradBuckets), --sync-bn's statistics (torch's BatchNorm on the joined batch, not
-# SyncBatchNormFunction) and the running statistics' mean over the ranks.
+# (the data, a function of the step alone), torch's SGD and F.cross_entropy, autocast
+# (torch.autocast, or nothing), and the BatchNorm class, which without a communicator is nn.BatchNorm2d. What
+# the check proves is written here anew: the schedule (not learning_rate, so that its bug shows), which
+# samples each rank and micro-step takes (index arithmetic, not slice_of), the loss's divisor (the whole
+# batch's valid targets, counted at once: no allreduce, no IGNORE), the gradients' sum (one backward
+# of each slice's share, no GradBuckets), --sync-bn's statistics (torch's BatchNorm on the joined
+# batch, not SyncBatchNormFunction) and the running statistics' mean over the ranks.
 def reference_training(args, world_sizes, device):
     """The same steps in one plain process: no MPI, plain nn.BatchNorm. world_sizes[step] is
     the world size that ran the step (a job may resume at another).
 
     --sync-bn: each accumulation micro-step is one batch made of every rank's slice.
-    Otherwise: every rank's micro-batches one after another, each with its own statistics and
-    its loss scaled by 1/(N*K); each rank's running statistics start from the same values and
-    are averaged over the ranks (they are linear in the batch statistics, so averaging once at
-    the end, as the ranks do, gives the same).
+    Otherwise: every rank's micro-batches one after another, each with its own statistics;
+    each rank's running statistics start from the same values and are averaged over the ranks
+    (they are linear in the batch statistics, so averaging once at the end, as the ranks do,
+    gives the same). Either way each piece's loss is its sum over the step's valid targets.
     """
     model = build_model(args.seed, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     k_steps, losses, norms = args.accum_steps, [], []
+    lr, w, rest = args.lr, args.warmup_steps, args.steps - args.warmup_steps  # the schedule, written out
+    peak = lr * args.batch_size / args.base_batch if args.scale_lr else lr
+    rise = [lr + (peak - lr) * k / w if args.scale_lr else peak * (k + 1) / w for k in range(w)]
+    schedule = rise + [peak if args.lr_schedule == "constant" else
+                       peak / 10 + 0.45 * peak * (1 + math.cos(math.pi * k / max(1, rest))) for k in range(rest)]
     for step in range(args.steps):
         world_size = world_sizes[step]
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(args, step)
-        images, labels = make_batch(args.seed, step, args.batch_size)
+            group["lr"] = schedule[step]
+        images, labels = make_batch(args.seed, step, args.batch_size, args.ragged)
         images, labels = images.to(device), labels.to(device)
+        valid = (labels != -100).sum()  # the step's targets (F.cross_entropy's default ignore_index: -100)
         m = args.batch_size // (world_size * k_steps)  # samples per rank and micro-step
         cut = [[slice((r * k_steps + k) * m, (r * k_steps + k + 1) * m) for r in range(world_size)]
                for k in range(k_steps)]  # rank r's k-th micro-batch: the (r K + k)-th m samples
@@ -545,7 +577,7 @@ def reference_training(args, world_sizes, device):
             for per_rank in slices:
                 x, y = torch.cat([s[0] for s in per_rank]), torch.cat([s[1] for s in per_rank])
                 with autocast(device, args.precision):
-                    loss = F.cross_entropy(model(x).float(), y) / k_steps
+                    loss = F.cross_entropy(model(x).float(), y, reduction="sum") / valid
                 loss.backward()
                 total += loss.item()
         else:
@@ -557,7 +589,7 @@ def reference_training(args, world_sizes, device):
                 for k in range(k_steps):
                     x, y = slices[k][r]
                     with autocast(device, args.precision):
-                        loss = F.cross_entropy(model(x).float(), y) / (world_size * k_steps)
+                        loss = F.cross_entropy(model(x).float(), y, reduction="sum") / valid
                     loss.backward()
                     total += loss.item()
                 for acc, b in zip(after, model.buffers()):
@@ -592,7 +624,8 @@ def print_header(comm, args, run, model, buckets, resumed):
            f"{'no overlap' if args.no_overlap else 'overlapped with backward'}",
            f"global batch {args.batch_size} = {comm.Get_size()} ranks x {args.accum_steps} micro-steps "
            f"x {args.batch_size // (comm.Get_size() * args.accum_steps)} | BatchNorm: "
-           f"{'synchronized over ranks' if args.sync_bn else 'per rank'}")
+           f"{'synchronized over ranks' if args.sync_bn else 'per rank'}"
+           + (" | ragged: about half the samples padding, the loss over the valid targets" if args.ragged else ""))
 
 def report(comm, args, run, model, buckets, losses, norms, records, counted, diff):
     """The summary, the check's verdict and --json; returns the exit status."""
@@ -607,13 +640,15 @@ def report(comm, args, run, model, buckets, losses, norms, records, counted, dif
              f"gradient allreduce: {calls['gradients']:g} call(s), {volume['gradients']:,.0f} bytes/step "
            f"(G = {grad_bytes:,}); a ring moves 2(N-1)/N x G = {ring:,.0f} bytes per rank"
            + (f" | sync-BN: {calls['syncbn']:g} allreduces, {volume['syncbn']:,.0f} bytes/step"
-              if args.sync_bn else "")]
+              if args.sync_bn else "")
+           + (f" | the count of valid targets: {calls['targets']:g} allreduce, {volume['targets']:,.0f} bytes/step"
+              if args.ragged else "")]
     overlap = {"buckets_posted_before_later_gradients": posted_in_time(buckets)}
     return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters, buffers", lines, {
         "grad_norms": norms,
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
         "accuracy": acc, "grad_bytes": grad_bytes, "ring_bytes_per_rank": ring,
-        "buckets": len(buckets.buckets), "overlap": overlap, "sync_bn": args.sync_bn})
+        "buckets": len(buckets.buckets), "overlap": overlap, "sync_bn": args.sync_bn, "ragged": args.ragged})
 
 def posted_in_time(buckets):
     """[n, total] in the last step: of the gradient allreduces, how many were posted before
@@ -629,6 +664,8 @@ def parse_args(argv, world_size):
     p.add_argument("--no-overlap", action="store_true", help="baseline: one blocking allreduce after backward")
     p.add_argument("--accum-steps", type=COUNT, default=1, help="gradient accumulation: micro-steps per step")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks")
+    p.add_argument("--ragged", action="store_true",
+                   help="about half the samples are padding (a blank image, no target): ranks hold uneven counts")
     p.add_argument("--scale-lr", action="store_true", help="linear scaling rule: lr x batch-size / base-batch")
     p.add_argument("--base-batch", type=COUNT, default=32, help="the batch --lr was tuned for")
     p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0,

@@ -145,8 +145,7 @@ class FlatLayer:
     def gather(self, comm):
         """Stage 3: give `whole` its memory back and start the all-gather that refills it."""
         self.whole.untyped_storage().resize_(self.padded * self.whole.element_size())
-        self.whole[self.mine] = self.partition.detach()  # this rank's part (bf16: rounded); MPI brings the rest
-        self.buffer = mpi_buffer(self.whole, nonblocking=True)
+        self.buffer = gather_buffer(self.whole, self.mine, self.partition.detach(), nonblocking=True)
         self.request, self.state = comm.Iallgather(MPI.IN_PLACE, self.buffer), "gathering"
 
     def wait_gathered(self):
@@ -180,7 +179,8 @@ class ZeRO:
         self.comm, self.stage, self.world_size, self.device = comm, stage, comm.Get_size(), device
         self.timeline, self.overlap, self.in_backward = timeline, overlap, False
         self.layers = [FlatLayer(m, comm, stage, device, dtype) for m in model.layers]
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, betas=BETAS, eps=EPS,
+        # AdamW steps what this rank owns and updates: its partition of every layer
+        self.optimizer = torch.optim.AdamW([layer.partition for layer in self.layers], lr=lr, betas=BETAS, eps=EPS,
                                            weight_decay=WEIGHT_DECAY)
         # arrived: gradients in, per layer; in_flight: the reduce-scatter under way (a layer's whole
         # gradient, its buffers and request); deferred: --no-overlap's layers waiting for backward's end
@@ -195,10 +195,6 @@ class ZeRO:
                 module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
                 module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
 
-    def parameters(self):
-        """What this rank owns and updates: its partition of every layer."""
-        return (layer.partition for layer in self.layers)
-
     # --- one optimizer step -------------------------------------------------------------------
     def backward(self, loss):
         """loss.backward() with the gradient exchange; leaves each partition's mean gradient."""
@@ -212,10 +208,9 @@ class ZeRO:
             self.in_backward = False
         if self.stage == 1:
             for layer in reversed(self.layers):  # into a buffer of its own: not in place, which
-                received = torch.empty(layer.size, device=self.device)  # some CUDA-aware MPIs break
-                buffer = mpi_buffer(received)
-                self.comm.Reduce_scatter_block(mpi_buffer(layer.grad_whole), buffer, op=MPI.SUM)
-                layer.partition.grad.copy_(from_mpi(received, buffer))
+                received = receive_buffer(torch.empty(layer.size, device=self.device))  # some CUDA-aware MPIs break
+                self.comm.Reduce_scatter_block(mpi_buffer(layer.grad_whole), received, op=MPI.SUM)
+                layer.partition.grad.copy_(received)  # from the host where staged
         else:
             assert all(n == len(layer.params) for n, layer in zip(self.arrived, self.layers)), \
                 "a gradient never arrived"
@@ -255,9 +250,7 @@ class ZeRO:
         self.optimizer.step()
         if self.stage < 3:
             for layer in self.layers:
-                if layer.whole.dtype != layer.partition.dtype:  # bf16: the masters rounded, gathered
-                    layer.whole[layer.mine] = layer.partition.detach()
-                buffer = mpi_buffer(layer.whole)
+                buffer = gather_buffer(layer.whole, layer.mine, layer.partition.detach())  # bf16: rounded
                 self.comm.Allgather(MPI.IN_PLACE, buffer)
                 from_mpi(layer.whole, buffer)
 
@@ -296,7 +289,7 @@ class ZeRO:
         One at a time: with the one backward fills, at most two whole gradients exist."""
         self.finish_reduce_scatter(wait=True)
         send = mpi_buffer(layer.grad_whole, nonblocking=True)
-        received = mpi_buffer(layer.partition.grad, nonblocking=True)
+        received = receive_buffer(layer.partition.grad, nonblocking=True)
         request = self.comm.Ireduce_scatter_block(send, received, op=MPI.SUM)
         self.in_flight, layer.grad_whole = (layer, send, received, request), None  # send holds it
 
@@ -368,6 +361,23 @@ def mpi_buffer(t, nonblocking=False):
         done.synchronize()  # the kernels that write t must finish first (not the whole device)
         return t
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
+
+
+def receive_buffer(t, nonblocking=False):
+    """Where MPI writes a result for t: t itself where MPI reads GPU memory, else an empty pinned host
+    buffer. Never a copy of t: MPI overwrites it, and the copy would cost a transfer from the device."""
+    staged = t.is_cuda and not (CUDA_AWARE and not nonblocking)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if staged else mpi_buffer(t, nonblocking)
+
+
+def gather_buffer(t, part, mine, nonblocking=False):
+    """For an all-gather in place into t: t[part] = mine (this rank's part; bf16: rounded), then t itself, or
+    where staged a receive buffer with t[part] alone copied in (1/N of t): MPI sends it and writes the rest."""
+    t[part] = mine
+    buffer = receive_buffer(t, nonblocking)
+    if buffer is not t:
+        buffer[part] = t[part]
+    return buffer
 
 
 def from_mpi(t, buffer):
@@ -595,31 +605,36 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
 # What the reference shares with the ranks, and why each is harmless: build_model and its classes
-# (the network), make_batch, F.cross_entropy, torch's AdamW with the same hyperparameters and
-# learning_rate (a formula of the step). Its norm and clip are torch.nn.utils.clip_grad_norm_'s.
+# (the network), make_batch, F.cross_entropy, torch's AdamW with the same hyperparameters. Its schedule
+# is written out (not learning_rate: a bug there shows); its norm and clip are clip_grad_norm_'s.
 # AdamW acts element by element, which is what lets ZeRO step a partition alone; the reference
 # steps each parameter whole, so the flat vectors, their padding and partitions, the
 # reduce-scatters, the gathers and the division by N (FlatLayer, ZeRO) are the ranks' alone. bf16:
 # the reference rounds a copy of its model (.to(bfloat16)); the ranks' bf16 views, their masters
 # and the float32 sum of bf16 gradients are theirs alone. The comparison reads each parameter of
 # the gathered masters through the views the ranks use, so it sees the values they trained.
-def reference_training(args):
-    """The same steps in one plain process on the CPU: the plain model, AdamW, the whole batch; bf16:
-    a bf16 copy (`working`) computes under autocast, its gradients step the float32 model."""
-    model, bf16 = build_model(args, recompute="none"), args.precision == "bf16"
-    working = build_model(args, recompute="none").to(torch.bfloat16) if bf16 else model
+def reference_training(args, device=torch.device("cpu")):
+    """The same steps in one plain process on device (rank 0's): the plain model, built on the CPU and
+    moved, AdamW, the whole batch; bf16: a bf16 copy (`working`) computes under autocast, its gradients
+    step the float32 model."""
+    model, bf16 = build_model(args, recompute="none").to(device), args.precision == "bf16"
+    working = build_model(args, recompute="none").to(device, torch.bfloat16) if bf16 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    lr, warmup, rest = args.lr, args.warmup_steps, args.steps - args.warmup_steps  # the schedule, written out
+    schedule = [lr * (k + 1) / warmup for k in range(warmup)] + [
+        lr if args.lr_schedule == "constant" else lr / 10 + 0.45 * lr * (1 + math.cos(math.pi * k / max(1, rest)))
+        for k in range(rest)]
     losses, norms = [], []
     for step in range(args.steps):
-        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             loss = F.cross_entropy(working(x).float().flatten(0, 1), y.flatten())
         working.zero_grad()
         loss.backward()
         for p, w in zip(model.parameters(), working.parameters()):
             p.grad = w.grad.float()  # float32: the same tensor
         norms.append(nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
-        optimizer.param_groups[0]["lr"] = learning_rate(args, step)  # its one group
+        optimizer.param_groups[0]["lr"] = schedule[step]  # its one group
         optimizer.step()
         if bf16:  # rounded to nearest, as the ranks round their masters
             working.load_state_dict(model.state_dict())
@@ -628,7 +643,7 @@ def reference_training(args):
 
 def check(comm, args, losses, norms, zero, model):
     """Every rank's float32 masters, gathered from the partitions on the plain communicator (uncounted);
-    rank 0 trains the reference on the CPU and compares; every rank gets the largest difference.
+    rank 0 trains the reference on its device and compares; every rank gets the largest difference.
     Only float32 sums are reordered (each rank's gradient is its slice's, then summed), but Adam
     divides each gradient by its own size, which amplifies rounding. Summing the slices' gradients
     instead of the batch's in one process moved the parameters by 7e-7 after 100 steps (3 slices of
@@ -644,7 +659,7 @@ def check(comm, args, losses, norms, zero, model):
         full.update((p, view.clone()) for p, view in zip(layer.params, layer.views(whole)))
     state, diff = {name: full[p] for name, p in model.named_parameters()}, None
     if comm.Get_rank() == 0:
-        ref_losses, ref_model, ref_norms = reference_training(args)
+        ref_losses, ref_model, ref_norms = reference_training(args, zero.device)
         norm_diff = max((abs(a - b) for a, b in zip(norms, ref_norms)), default=0.0)
         diff = max(max_difference(losses, state, ref_losses, ref_model), norm_diff)
     request = comm.Ibarrier()
@@ -852,9 +867,7 @@ def resume(comm, args, config, zero):
             for kind, key in checkpoint_keys(i).items() if count else ():
                 (layer.partition if kind == "params" else adam[kind])[:count] = blocks[key]
             if zero.stage < 3:
-                if layer.whole.dtype != layer.partition.dtype:  # bf16: the masters rounded (float32: a view)
-                    layer.whole[layer.mine] = layer.partition
-                buffer = mpi_buffer(layer.whole)
+                buffer = gather_buffer(layer.whole, layer.mine, layer.partition)  # bf16: the masters rounded
                 comm.Allgather(MPI.IN_PLACE, buffer)
                 from_mpi(layer.whole, buffer)
         zero.optimizer.state[layer.partition] = adam

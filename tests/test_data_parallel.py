@@ -41,7 +41,7 @@ def reference(argv, world_sizes):
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_bucketed_allreduce_equals_the_mean_of_every_rank_gradients(size, overlap):
+def test_bucketed_allreduce_equals_the_sum_of_every_rank_gradients(size, overlap):
     with sub_comm(size) as comm:
         diff, buckets_made = 0.0, 0
         if comm is not None:
@@ -49,7 +49,7 @@ def test_bucketed_allreduce_equals_the_mean_of_every_rank_gradients(size, overla
             params = [nn.Parameter(torch.zeros(n)) for n in (300, 7, 1000, 50, 2)]
             every_rank = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * r + i))
                            for i, p in enumerate(params)] for r in range(size)]
-            expected = [sum(g[i] for g in every_rank) / size for i in range(len(params))]
+            expected = [sum(g[i] for g in every_rank) for i in range(len(params))]
             buckets = dp.GradBuckets(params, counted(comm), bucket_bytes=1200, overlap=overlap)
             buckets_made = len(buckets.buckets)
 
@@ -102,7 +102,7 @@ def test_a_full_bucket_is_posted_before_backward_computes_the_next_buckets_gradi
             for p in buckets.buckets[1]:
                 p.register_post_accumulate_grad_hook(lambda p: arrived.append(time.perf_counter() - timeline.origin_s))
             images, labels = dp.slice_of(*dp.make_batch(args.seed, 0, 8), comm.Get_rank(), 2)
-            dp.train_step(model, optimizer, buckets, images, labels, 1, timeline)
+            dp.train_step(model, optimizer, buckets, images, labels, 8, 1, timeline)
             timeline.step_record(0.0)
             posted = sorted(end for name, _, _, end in timeline.step_events if name == "Iallreduce")
             in_order = posted[0] < min(arrived) < posted[1]
@@ -188,13 +188,14 @@ def test_the_check_catches_a_difference_just_above_its_tolerance(precision):
 @pytest.mark.mpi
 @pytest.mark.parametrize("plant", [False, True])
 def test_a_gradient_divided_once_more_by_n_fails_the_bf16_check(plant, monkeypatch):
-    """The planted bug: each bucket's sum divided by N twice (the mean's 1/N applied again), so
-    every step takes half the gradient at N = 2. In bf16 the check must see it above
-    TOLERANCE_BF16; the same run unplanted stays within it."""
+    """The planted bug: each bucket's sum divided by N (a mean where the ranks' shares of the loss
+    are to be summed: the step's mean's 1/N applied twice), so every step takes half the gradient
+    at N = 2. In bf16 the check must see it above TOLERANCE_BF16; the same run unplanted stays
+    within it."""
     if plant:
         unflatten = dp.GradBuckets._unflatten
         monkeypatch.setattr(dp.GradBuckets, "_unflatten",
-                            lambda self, params, flat: unflatten(self, params, flat / self.world_size))
+                            lambda self, params, flat: unflatten(self, params, flat / self.comm.Get_size()))
     with sub_comm(2) as comm:
         diff = 0.0
         if comm is not None:
@@ -340,6 +341,101 @@ def test_a_norm_taken_before_the_allreduce_fails_the_check(monkeypatch):
             losses, model, _ = run_steps(comm, argv)
             diff = dp.max_difference(losses, model.state_dict(), *reference(argv, [2] * 3))
         assert max_everywhere(diff) > 10 * dp.TOLERANCE, diff
+
+
+# --ragged: about half the samples padding, unevenly over the ranks. The sizes cover 1 to 4 ranks with
+# accumulation, --sync-bn, small buckets, no overlap, the recipe and bf16; batch 48 keeps 12 or more
+# samples per rank and micro-step (BatchNorm over fewer amplifies rounding: see dp.TOLERANCE). Measured
+# max |diff| from one process: 1.2e-7 to 1.2e-6 in fp32, 7.2e-4 in bf16. The controls below: a per-rank
+# mean 8.7e-2 (N = 2; 9.7e-2 at N = 3, 3.0e-1 at N = 4), each rank's own count 5.7 (N = 3).
+RAGGED_RUNS = [(1, ["--accum-steps", "2"]), (2, ["--sync-bn", "--accum-steps", "2", "--bucket-mb", "0.05"]),
+               (3, ["--clip-grad", "0.05", "--lr-schedule", "cosine", "--warmup-steps", "1", "--no-overlap"]),
+               (4, []), (4, ["--precision", "bf16", "--sync-bn"])]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, flags", RAGGED_RUNS)
+def test_ragged_batches_pass_the_check_with_one_allreduce_of_the_count(size, flags, capsys):
+    """dp.main with --ragged and --check: the ranks' losses, norms and parameters are one process's, whose
+    loss is F.cross_entropy's sum over the whole batch's valid targets divided by their number; the count
+    costs one allreduce a step, beside the buckets (and --sync-bn's 6 a micro-step)."""
+    ok, result = main_on(size, ["--ragged", "--steps", "3", "--batch-size", "48"] + flags, capsys)
+    limit = dp.TOLERANCE_BF16 if "bf16" in flags else dp.TOLERANCE
+    gradient_calls = 1 if "--no-overlap" in flags else result["buckets"]
+    micro_steps = int(flags[flags.index("--accum-steps") + 1]) if "--accum-steps" in flags else 1
+    assert ok and result["ragged"] and result["check_max_abs_diff"] <= limit, result["check_max_abs_diff"]
+    assert result["collectives_per_step"] == gradient_calls + 1 + 6 * micro_steps * ("--sync-bn" in flags), result
+
+
+def per_rank_mean(monkeypatch):
+    """Planted: each rank's mean over its own valid targets, the ranks' means averaged (its count x N)."""
+    monkeypatch.setattr(dp, "count_targets", lambda comm, labels: (labels != dp.IGNORE).sum().item() * comm.Get_size())
+
+
+def local_count(monkeypatch):
+    """Planted: each rank divides its sum by its own count of valid targets."""
+    monkeypatch.setattr(dp, "count_targets", lambda comm, labels: (labels != dp.IGNORE).sum().item())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant, size", [(per_rank_mean, 2), (local_count, 3)])
+def test_a_loss_divided_by_a_count_of_this_rank_alone_fails_the_check(plant, size, monkeypatch):
+    """The negative controls of the test above: a count of the rank's own valid targets (the ranks hold
+    uneven numbers of them) weighs each target by its rank's count, not one process's gradient."""
+    plant(monkeypatch)
+    with sub_comm(size) as comm:
+        diff = 0.0
+        if comm is not None:
+            argv = ["--ragged", "--steps", "3", "--batch-size", "48"]
+            losses, model, _ = run_steps(comm, argv)
+            diff = dp.max_difference(losses, model.state_dict(), *reference(argv, [size] * 3))
+        assert max_everywhere(diff) > 10 * dp.TOLERANCE, max_everywhere(diff)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_schedule_one_step_late_fails_the_check(plant, monkeypatch):
+    """The reference writes its schedule out, so that a bug in learning_rate shows: planted, each step
+    takes the rate of the step before (the warm-up's first step 0), and the check fails (5.6e-2)."""
+    if plant:
+        learning_rate = dp.learning_rate
+        monkeypatch.setattr(dp, "learning_rate", lambda args, step: learning_rate(args, step - 1))
+    with sub_comm(2) as comm:
+        diff = 0.0
+        if comm is not None:
+            argv = ["--steps", "4", "--batch-size", "24", "--lr-schedule", "cosine", "--warmup-steps", "2"]
+            losses, model, _ = run_steps(comm, argv)
+            diff = dp.max_difference(losses, model.state_dict(), *reference(argv, [2] * 4))
+        diff = max_everywhere(diff)
+        assert diff > 10 * dp.TOLERANCE if plant else diff <= dp.TOLERANCE, diff
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_staged_broadcast_copies_from_the_device_on_rank_0_alone(plant, monkeypatch):
+    """On a GPU whose MPI cannot read GPU memory, replicate's Bcast goes through host buffers: rank 0's
+    holds a copy of its tensor, the others' are empty, for MPI to write (a copy from their device
+    would be a transfer that MPI overwrites). On the CPU, played with a copying mpi_buffer that counts
+    what it copies and a receive_buffer whose fresh memory holds NaN (-1 in integer buffers): rank 0
+    alone copies, and every rank ends with rank 0's model (each starts from a seed of its own).
+    Planted, the receive buffer is a copy as mpi_buffer gives, and the other ranks copy too."""
+    copied = []
+
+    def copy_counted(t, nonblocking=False):
+        copied.append(t.numel())
+        return t.clone()
+    monkeypatch.setattr(dp, "mpi_buffer", copy_counted)
+    monkeypatch.setattr(dp, "receive_buffer", copy_counted if plant else
+                        lambda t: torch.full_like(t, math.nan if t.is_floating_point() else -1))
+    with sub_comm(3) as comm:
+        ok = True
+        if comm is not None:
+            args = dp.parse_args(["--batch-size", "6", "--seed", str(comm.Get_rank())], 3)
+            model, _, _ = dp.replicate(args, comm, CPU)
+            elements = sum(t.numel() for t in list(model.parameters()) + list(model.buffers()))
+            ok = dp.checksum(model) == dp.checksum(dp.build_model(0, CPU))
+            ok = ok and sum(copied) == (elements if comm.Get_rank() == 0 else 0)
+        assert agree(ok) == (not plant)
 
 
 @pytest.mark.parametrize("argv, world, words", [

@@ -234,6 +234,69 @@ def test_a_norm_of_a_part_of_the_gradient_makes_the_check_fail(plant, size, stag
         assert max_everywhere(diff) > 10 * zp.TOLERANCE
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_schedule_one_step_late_fails_the_check(plant, monkeypatch):
+    """The reference writes its schedule out, so that a bug in learning_rate shows: planted, each step
+    takes the rate of the step before (the warm-up's first step 0), and the check fails. Measured max
+    |diff|: 2.4e-7, planted 1.3e-1."""
+    if plant:
+        learning_rate = zp.learning_rate
+        monkeypatch.setattr(zp, "learning_rate", lambda args, step: learning_rate(args, step - 1))
+    with sub_comm(2) as comm:
+        diff = 0.0
+        if comm is not None:
+            argv = TINY + ["--steps", "4", "--zero-stage", "2", "--lr-schedule", "cosine", "--warmup-steps", "2"]
+            losses, model, zero, norms = run_steps(comm, argv)
+            diff = zp.check(comm, zp.parse_args(argv, 2), losses, norms, zero, model)
+        diff = max_everywhere(diff)
+        assert diff > 10 * zp.TOLERANCE if plant else diff <= zp.TOLERANCE, diff
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("plant", [False, True])
+def test_staged_buffers_copy_from_the_device_only_what_mpi_sends(stage, plant, monkeypatch):
+    """On a GPU whose MPI cannot read GPU memory every buffer goes through the host, and what is copied
+    from the device is what MPI sends: each reduce-scatter's whole gradient and the norm's number. A
+    receive buffer is empty (MPI writes it: a copy would be a transfer that it overwrites), and an
+    in-place all-gather's holds this rank's 1/N alone. Played on the CPU at N = 2, 2 steps: mpi_buffer
+    copies and counts what it copies, receive_buffer's fresh memory holds NaN, and each gather_buffer
+    is watched: equal to its tensor in this rank's part, NaN elsewhere. The check passes, so MPI wrote
+    all the rest. Planted, as the code was: receive and gather buffers are copies of the whole tensor."""
+    copied, gathers = [], []
+
+    def copy_counted(t, nonblocking=False):
+        copied.append(t.numel())
+        return t.clone()
+
+    def whole_copy(t, part, mine, nonblocking=False):
+        t[part] = mine
+        return copy_counted(t)
+    monkeypatch.setattr(zp, "mpi_buffer", copy_counted)
+    monkeypatch.setattr(zp, "receive_buffer", copy_counted if plant else
+                        lambda t, nonblocking=False: torch.full(t.shape, math.nan, dtype=t.dtype))
+    gather_buffer = whole_copy if plant else zp.gather_buffer
+
+    def watched(t, part, mine, nonblocking=False):
+        buffer, rest = gather_buffer(t, part, mine, nonblocking), torch.ones(t.numel(), dtype=torch.bool)
+        rest[part] = False
+        gathers.append(torch.equal(buffer[part], t[part]) and bool(buffer[rest].isnan().all()))
+        return buffer
+    monkeypatch.setattr(zp, "gather_buffer", watched)
+    with sub_comm(2) as comm:
+        ok, diff = True, 0.0
+        if comm is not None:
+            argv = TINY + ["--steps", "2", "--zero-stage", str(stage)]
+            losses, model, zero, norms = run_steps(comm, argv)
+            sends = 2 * (sum(layer.padded for layer in zero.layers) + 1)  # the gradients and the norm, twice
+            ok = sum(copied) == sends and len(gathers) == (2 if stage == 3 else 1) * 2 * len(zero.layers)
+            ok = ok and all(gathers)
+            diff = zp.check(comm, zp.parse_args(argv, 2), losses, norms, zero, model)
+        assert agree(ok) == (not plant)
+        assert max_everywhere(diff) <= zp.TOLERANCE
+
+
 def activation_formula(precision, recompute, b, s, h, heads, layers):
     """The docstring's bytes that autograd keeps for backward on one rank (b sequences of s)."""
     bf16 = precision == "bf16"
