@@ -4,6 +4,7 @@ render(meta, runs) takes what bench/run.py collected: meta (date, machine, comma
 entry per mpirun job, {"group", "ranks", "env", "result": the worker's JSON or None, "error"}.
 Every ratio is paired: taken round by round between cases of the same job, then the median.
 """
+import math
 import statistics
 
 OVERSUBSCRIBED = "†"
@@ -38,8 +39,9 @@ def scaling_job(runs):
 
 
 def cases_of(j):
-    """A job's cases but the bare replays of a strategy's exchanges (they have tables of their own)."""
-    return [c for c in j["result"]["cases"] if c["tags"]["kind"] != "bare"]
+    """A job's cases but the bare replays of a strategy's exchanges and ours on gloo (they have tables of
+    their own)."""
+    return [c for c in j["result"]["cases"] if c["tags"]["kind"] not in ("bare", "on_gloo")]
 
 
 def ok(c):
@@ -696,28 +698,40 @@ def findings(meta, runs, cores):
     out = []
 
     def faster(name_a, a, name_b, b, where):
-        """A verdict only where the rounds agree: in at least 3 of 4 rounds, one is faster."""
+        """A verdict by the bench's rule (verdict()): at least MIN_ROUNDS rounds, the median more
+        than TIE from 1x, and the sign test over the rounds below ALPHA."""
         x = ratio(a, b)
         if x is None:
             return
         each = paired(a, b, lambda p, q: p / q)
-        agree = max(sum(r < 1 for r in each), sum(r > 1 for r in each)) / len(each)
+        word, won_rounds, total, p = verdict(each)
         rounds_note = (f"median of {len(each)} rounds, {min(each):.2f} to {max(each):.2f}"
                        if len(each) > 1 else "one round: indicative only")
-        won = f"; {name_a} faster in {sum(r < 1 for r in each)} of {len(each)} rounds" if len(each) > 1 else ""
+        won = (f"; {name_a} faster in {won_rounds} of {total} rounds, sign test {p_value(p)}"
+               if len(each) > 1 else "")
         if len(each) < 2:  # nothing says how a second round would fall
             out.append(f"{where}: {name_a} takes {x:.2f}× the step time of {name_b} in the one round measured: "
                        "no verdict.")
-        elif abs(x - 1) < TIE:
+        elif word == "too few rounds":
+            out.append(f"{where}: {name_a} takes {x:.2f}× the step time of {name_b} ({rounds_note}){won}: "
+                       f"fewer than {MIN_ROUNDS} rounds, no verdict.")
+        elif abs(x - 1) <= TIE:
             out.append(f"{where}: {name_a} and {name_b} take the same time ({x:.2f}×; {rounds_note}){won}.")
-        elif len(each) > 1 and agree < 0.75:
-            out.append(f"{where}: no clear winner between {name_a} and {name_b}: the rounds disagree "
-                       f"({x:.2f}×; {rounds_note}){won}.")
+        elif word == "tie":
+            out.append(f"{where}: no clear winner between {name_a} and {name_b}: the rounds do not agree "
+                       f"often enough ({x:.2f}×; {rounds_note}){won}.")
         elif x < 1:
             out.append(f"{where}: {name_a} is faster than {name_b}: {x:.2f}× its step time ({rounds_note}){won}.")
         else:
             out.append(f"{where}: {name_b} is faster than {name_a}: {name_a} takes {x:.2f}× its step "
                        f"time ({rounds_note}){won}.")
+
+    def against_peer(j, name_a, a, name_b, b, where):
+        """Ours against a peer as it ships (on MPI), then on the peer's transport (ours on gloo)."""
+        faster(name_a, a, name_b, b, where)
+        twin = case(j, kind="on_gloo", of=a["label"]) if a else None
+        if ok(twin):
+            faster(f"{name_a} on gloo", twin, name_b, b, where)
 
     for n in (2, 4):
         for env in ({}, {"MPIR_CVAR_ASYNC_PROGRESS": "1"}):
@@ -730,8 +744,9 @@ def findings(meta, runs, cores):
             bare = case(j, kind="limit", variant="mpi")
             for variant in ("default", "small", "no_overlap"):
                 c = case(j, variant=variant)
-                if ok(c) and not env:
-                    faster(c["label"], c, "PyTorch DDP (gloo)", peer, where)
+                matched = (variant == "small" and case(j, variant="ddp_small")) or peer  # its bucket size
+                if ok(c) and not env and matched:
+                    against_peer(j, c["label"], c, matched["label"], matched, where)
             blocking, small = case(j, variant="no_overlap"), case(j, variant="small")
             if ok(blocking) and ok(small) and ok(bare):
                 kept, steps = ratio(small, blocking, "comm_s"), ratio(small, blocking)
@@ -780,8 +795,8 @@ def findings(meta, runs, cores):
         for peer in (c for c in (j["result"]["cases"] if j and j["result"] else []) if c["tags"]["kind"] == "peer"):
             ours = case(j, kind="strategy", schedule=peer["tags"].get("placement"), m=peer["tags"]["m"])
             if ok(peer) and peer["tags"].get("schedule"):
-                faster(f"pipeline_parallel.py --schedule {peer['tags']['schedule']}", ours,
-                       peer["label"], peer, where)
+                against_peer(j, f"pipeline_parallel.py --schedule {peer['tags']['schedule']}", ours,
+                             peer["label"], peer, where)
             if ok(peer) and ok(ours) and loss_diff(peer, ours) is not None:
                 same.append((peer["tags"].get("torch"), ours["tags"]["schedule"], loss_diff(peer, ours)))
         if same:
@@ -789,8 +804,8 @@ def findings(meta, runs, cores):
                        f"{sci(max(d for _, _, d in same))} ("
                        + ", ".join(f"{name} against {mine}" for name, mine, _ in same) + ").")
         j = job(runs, "tp", n)
-        faster("tensor_parallel.py", case(j, kind="strategy"), "torch.distributed.tensor.parallel",
-               case(j, kind="peer"), f"Tensor parallelism, N = {ranks_label(n, cores)}")
+        against_peer(j, "tensor_parallel.py", case(j, kind="strategy"), "torch.distributed.tensor.parallel",
+                     case(j, kind="peer"), f"Tensor parallelism, N = {ranks_label(n, cores)}")
         out += sequence_parallel_findings(j, faster, f"Tensor parallelism, N = {ranks_label(n, cores)}")
     for n in (2, 4):
         j = job(runs, "zero", n)
@@ -800,8 +815,8 @@ def findings(meta, runs, cores):
         for stage in (1, 2, 3):
             peer = case(j, kind="peer", stage=stage)
             if ok(peer):
-                faster(f"sharded_data_parallel.py --zero-stage {stage}",
-                       case(j, kind="strategy", stage=stage), peer["label"], peer, where)
+                against_peer(j, f"sharded_data_parallel.py --zero-stage {stage}",
+                             case(j, kind="strategy", stage=stage), peer["label"], peer, where)
         out += sharded_findings(j, where)
     for j in hybrid_jobs(runs):
         base = case(j, grid="2x2x2")
@@ -985,77 +1000,118 @@ def sharded_findings(j, where):
 # -----------------------------------------------------------------------------
 # Transport against strategy: each comparison beside the bare cost of its exchanges
 # -----------------------------------------------------------------------------
-TIE = 0.03  # the bench's rule: within 3%, or rounds agreeing less than 3 in 4, the two take the same time
+# The bench's rule: one of two runs is faster only where, over at least MIN_ROUNDS rounds, the median
+# ratio is more than TIE from 1x and a two-sided sign test over the rounds gives p below ALPHA; else a tie.
+TIE = 0.03
+MIN_ROUNDS = 8  # the fewest rounds whose sign test can go below 0.05 with one round against (9 of 10 can)
+ALPHA = 0.05
+
+
+def sign_test(won, total):
+    """Two-sided sign test: the chance of a split at least as lopsided as `won` of `total` rounds if
+    each round were as likely to fall either way."""
+    if total == 0:
+        return 1.0
+    tail = sum(math.comb(total, k) for k in range(min(won, total - won) + 1)) / 2 ** total
+    return min(1.0, 2 * tail)
 
 
 def verdict(each):
-    """The bench's rule on per-round ratios a / b: ('faster' | 'slower' | 'tie' | 'one round', rounds
-    a was faster in, rounds). One round is no verdict: nothing says how the next would fall."""
-    x, won = statistics.median(each), sum(r < 1 for r in each)
-    agree = max(won, sum(r > 1 for r in each)) / len(each)
-    word = ("one round" if len(each) < 2 else "tie" if abs(x - 1) < TIE or agree < 0.75
+    """The bench's rule on per-round ratios a / b: ('faster' | 'slower' | 'tie' | 'too few rounds', rounds
+    a was faster in, rounds, the sign test's p). Rounds of exactly 1x take no side in the sign test."""
+    x, won, lost = statistics.median(each), sum(r < 1 for r in each), sum(r > 1 for r in each)
+    p = sign_test(won, won + lost)
+    word = ("too few rounds" if len(each) < MIN_ROUNDS else "tie" if abs(x - 1) <= TIE or p >= ALPHA
             else "faster" if x < 1 else "slower")
-    return word, won, len(each)
+    return word, won, len(each), p
+
+
+def p_value(p):
+    return f"p = {p:.3f}" if p >= 0.001 else "p < 0.001"
 
 
 def rounds_cell(each):
-    """A paired ratio: median (lowest–highest round; rounds in which ours was faster)."""
+    """A paired ratio: median (lowest–highest round; rounds in which ours was faster; the sign test's p)."""
     if not each:
         return "–"
-    _, won, total = verdict(each)
+    _, won, total, p = verdict(each)
     spread = f"{min(each):.2f}–{max(each):.2f}; " if total > 1 else ""
-    return f"{statistics.median(each):.2f}× ({spread}faster in {won} of {total})"
+    return f"{statistics.median(each):.2f}× ({spread}faster in {won} of {total}, {p_value(p)})"
 
 
 def verdict_cell(each):
     if not each:
         return "–"
-    word, _, _ = verdict(each)
+    word, _, total, _ = verdict(each)
     return {"tie": "tie", "faster": "ours faster", "slower": "PyTorch's faster",
-            "one round": "one round: no verdict"}[word]
+            "too few rounds": f"{plural(total, 'round')}: no verdict"}[word]
 
 
-def on_gloo(ours, bare, peer):
+def at_gloo_cost(ours, bare, peer):
     """Per round: our step with its exchanges charged at gloo's bare cost instead of MPI's (our step
-    + gloo's bare replay − MPI's), over the peer's step: the ratio had ours run on the peer's
-    transport, if none of that difference were hidden."""
+    + gloo's bare replay − MPI's), over the peer's step: an estimate, from replays with nothing else
+    to do, of the ratio had ours run on the peer's transport; the rows "ours on gloo" measure it."""
     if not (ok(ours) and ok(bare) and ok(peer)):
         return []
     return [(a + g - m) / b for a, b, m, g in zip(rounds(ours), rounds(peer), rounds(bare, "bare_mpi_s"),
                                                     rounds(bare, "bare_gloo_s"))]
 
 
+def fastest(cases):
+    """The case of the shortest median step among those that ran; None when none did."""
+    return min((c for c in cases if ok(c)), key=lambda c: c["result"]["step_time_s"], default=None)
+
+
 def comparisons(runs):
-    """Every pairing of one of our runs with PyTorch's: (section, N, label, ours, peer, bare)."""
+    """Every pairing of one of our runs with PyTorch's, as dicts: section, N, label, ours (on MPI),
+    twin (the same run of ours on gloo), peer, bare (our step's exchanges replayed bare)."""
     out = []
     for n, j in jobs_measured(runs, "dp"):
         for v in ("default", "small", "no_overlap"):
             ours = case(j, variant=v)
+            peer = (v == "small" and case(j, variant="ddp_small")) or case(j, variant="ddp")
             if ours:
-                out.append(("dp", n, ours["label"] + " / DDP", ours, case(j, variant="ddp"), j))
+                out.append(("dp", n, f"{ours['label']} / {peer['label'] if peer else 'DDP'}", ours, peer, j))
     for n, j in jobs_measured(runs, "pp"):
-        for peer in (c for c in cases_of(j) if c["tags"]["kind"] == "peer" and c["tags"].get("schedule")):
+        peers = [c for c in cases_of(j) if c["tags"]["kind"] == "peer" and c["tags"].get("schedule")]
+        for peer in peers:
             ours = case(j, kind="strategy", schedule=peer["tags"]["schedule"], m=peer["tags"]["m"])
             if ours:
                 out.append(("pp", n, f"--schedule {peer['tags']['schedule']}, M = {peer['tags']['m']} / "
                             f"{peer['tags'].get('torch') or peer['label']}", ours, peer, j))
+        m = peers[0]["tags"]["m"] if peers else None
+        ours_best = fastest(c for c in cases_of(j) if c["tags"]["kind"] == "strategy" and c["tags"].get("m") == m
+                            and c["tags"].get("schedule"))
+        schedule = {c["label"]: c["tags"].get("schedule") for c in cases_of(j) if c["tags"].get("m") == m}
+        twin_best = fastest(c for c in j["result"]["cases"] if c["tags"]["kind"] == "on_gloo"
+                            and c["tags"]["of"] in schedule)
+        peer_best = fastest(c for c in cases_of(j) if c["tags"]["kind"] == "peer" and c["tags"].get("m") == m)
+        if ours_best and peer_best:
+            label = (f"the fastest of ours (on MPI {ours_best['tags']['schedule']}"
+                     + (f", on gloo {schedule[twin_best['tags']['of']]}" if twin_best else "")
+                     + f"), M = {m} / the fastest of torch's ({peer_best['tags'].get('torch')})")
+            out.append(("pp", n, label, ours_best, peer_best, j, twin_best))
     for n, j in jobs_measured(runs, "tp"):
-        for mode, name in (("plain", "tensor_parallel.py / torch.distributed.tensor.parallel"),
-                           ("sequence_parallel", "--sequence-parallel / SequenceParallel")):
+        for mode, name in (("plain", "tensor_parallel.py / torch.distributed.tensor.parallel (DTensor, eager)"),
+                           ("sequence_parallel", "--sequence-parallel / SequenceParallel (DTensor, eager)")):
             ours = case(j, kind="strategy", mode=mode)
             if ours:
                 out.append(("tp", n, name, ours, case(j, kind="peer", mode=mode), j))
     for n, j in jobs_measured(runs, "zero"):
         for k in (1, 2, 3):
-            ours, peer = case(j, kind="strategy", stage=k), case(j, kind="peer", stage=k)
-            if ours and peer:
-                out.append(("zero", n, f"--zero-stage {k} / {peer['label'].split(' (gloo)')[0]}", ours, peer, j))
+            ours = case(j, kind="strategy", stage=k)
+            for peer in (c for c in cases_of(j) if c["tags"]["kind"] == "peer" and c["tags"].get("stage") == k):
+                if ours:
+                    out.append(("zero", n, f"--zero-stage {k} / {peer['label'].split(' (gloo')[0]}", ours, peer, j))
     for n, j in jobs_measured(runs, "large", (2, 4)):
         for ours in (c for c in cases_of(j) if c["tags"]["kind"] == "strategy"):
-            peer = case(j, kind="peer", pair=ours["tags"]["pair"])
-            out.append(("large", n, f"{ours['label']} / {peer['label'] if peer else 'none'}", ours, peer, j))
-    return [(section, n, label, ours, peer, case(j, kind="bare", of=ours["label"]))
-            for section, n, label, ours, peer, j in out]
+            peers = [c for c in cases_of(j)
+                     if c["tags"]["kind"] == "peer" and c["tags"].get("pair") == ours["tags"]["pair"]]
+            for peer in peers or [None]:
+                out.append(("large", n, f"{ours['label']} / {peer['label'] if peer else 'none'}", ours, peer, j))
+    return [{"section": c[0], "n": c[1], "label": c[2], "ours": c[3], "peer": c[4], "fastest": len(c) > 6,
+             "twin": c[6] if len(c) > 6 else case(c[5], kind="on_gloo", of=c[3]["label"]),
+             "bare": None if len(c) > 6 else case(c[5], kind="bare", of=c[3]["label"])} for c in out]
 
 
 def kinds_cell(bare):
@@ -1068,18 +1124,19 @@ def kinds_cell(bare):
 def bare_table(runs, section, cores):
     """Each comparison of a section beside what its exchanges cost bare, on MPI and on gloo."""
     rows = []
-    for s, n, label, ours, peer, bare in comparisons(runs):
-        if s != section:
+    for c in comparisons(runs):
+        ours, peer, bare = c["ours"], c["peer"], c["bare"]
+        if c["section"] != section or c["fastest"]:  # no replay of its own: its two rows are above
             continue
+        n, label = c["n"], c["label"]
         if bare is not None and not ok(bare):
-            rows.append([ranks_label(n, cores), label, f"not measured: {bare['result']['error']}"] + [""] * 5)
+            rows.append([ranks_label(n, cores), label, f"not measured: {bare['result']['error']}"] + [""] * 6)
             continue
         r = bare["result"] if bare else {}
         mpi, gloo = r.get("bare_mpi_s"), r.get("bare_gloo_s")
-        each = paired(ours, peer, lambda p, q: p / q) if ok(ours) and ok(peer) else []
         rows.append([ranks_label(n, cores), label, kinds_cell(bare), ms(mpi), ms(gloo),
-                     times(gloo / mpi if mpi and gloo else None, 1), rounds_cell(each),
-                     rounds_cell(on_gloo(ours, bare, peer))])
+                     times(gloo / mpi if mpi and gloo else None, 1), rounds_cell(pairing(ours, peer)),
+                     rounds_cell(at_gloo_cost(ours, bare, peer)), rounds_cell(pairing(c["twin"], peer))])
     if not rows:
         return []
     return ["**Transport against strategy.** Each comparison beside the exchanges of one step of ours, "
@@ -1088,36 +1145,61 @@ def bare_table(runs, section, cores):
             "what they cost with nothing else to do. *× peer*: our step over PyTorch's, paired by round, "
             "and the rounds ours was faster in; *at gloo's cost*: the same with our step charged the bare "
             "gloo time of its exchanges instead of the bare MPI time (our step + gloo − MPI, paired by "
-            "round), as if ours ran on the peer's transport and none of the difference were hidden. "
+            "round): an estimate that assumes none of the difference is hidden; *ours on gloo × peer*: "
+            "what the estimate tries to tell, measured: the same script with its exchanges carried by gloo. "
             "The peer's own calls may differ from ours in kind and number (its group's table says where).",
             ""] + table(["N", "comparison", "our exchanges per step (kind, calls, bytes)", "bare MPI ms",
                          "bare gloo ms", "gloo ÷ MPI", "× peer (range; rounds)",
-                         "× peer, ours at gloo's cost (range; rounds)"], rows)
+                         "× peer, ours at gloo's cost (range; rounds)", "ours on gloo × peer (range; rounds)"], rows)
+
+
+def pairing(ours, peer):
+    """Our step over the peer's, round by round; [] where either did not run."""
+    return paired(ours, peer, lambda p, q: p / q) if ok(ours) and ok(peer) else []
+
+
+def peaks_cell(c):
+    """The measured peak of each rank, in MB (the strategy scripts' peak_memory_bytes_per_rank)."""
+    peaks = c["result"].get("peak_memory_bytes_per_rank") if ok(c) else None
+    return ", ".join(f"{p / 2 ** 20:.1f}" for p in peaks) if peaks else "–"
 
 
 def summary(meta, runs, cores):
-    """Every ratio of ours against PyTorch's, with the bench's verdict, before and after the
-    transport is taken out."""
+    """Every pairing of ours with PyTorch's on one transport (ours on gloo), with the bench's verdict and
+    both peaks, beside the same pairing with ours on MPI."""
     rows = []
-    for section, n, label, ours, peer, bare in comparisons(runs):
-        each = paired(ours, peer, lambda p, q: p / q) if ok(ours) and ok(peer) else []
-        adjusted = on_gloo(ours, bare, peer)
-        r = bare["result"] if ok(bare) else {}
-        rows.append([SECTION_NAMES[section], ranks_label(n, cores), label, rounds_cell(each), verdict_cell(each),
-                     f"{ms(r.get('bare_mpi_s'))} / {ms(r.get('bare_gloo_s'))}" if r else "–",
-                     rounds_cell(adjusted), verdict_cell(adjusted)])
+    for c in comparisons(runs):
+        ours, twin, peer = c["ours"], c["twin"], c["peer"]
+        if peer is not None and not ok(peer):
+            rows.append([SECTION_NAMES[c["section"]], ranks_label(c["n"], cores), c["label"],
+                         f"PyTorch's not measured: {peer['result']['error']}"] + [""] * 5)
+            continue
+        if twin is not None and not ok(twin):
+            gloo_cells = [f"ours on gloo not measured: {twin['result']['error']}", ""]
+        else:
+            gloo_cells = [rounds_cell(pairing(twin, peer)), verdict_cell(pairing(twin, peer))]
+        rows.append([SECTION_NAMES[c["section"]], ranks_label(c["n"], cores), c["label"], *gloo_cells,
+                     peaks_cell(twin) if ok(twin) else f"{peaks_cell(ours)} (on MPI)" if ok(ours) else "–",
+                     peaks_cell(peer),
+                     rounds_cell(pairing(ours, peer)), verdict_cell(pairing(ours, peer))])
     if not rows:
         return []
-    return ["## Summary: ours against PyTorch's, and how much of it is transport", "",
-            "Every pairing of one of our runs with PyTorch's in the tables below. *× PyTorch*: our step "
-            "over theirs, paired round by round (median; lowest–highest round; the rounds ours was faster "
-            f"in). *Verdict*, the bench's rule: a tie within {TIE:.0%} of 1× or where fewer than 3 rounds "
-            "in 4 agree. *Our exchanges bare*: one step's collectives and messages of ours replayed with "
-            "nothing else to do, on MPI / on gloo. *At gloo's cost*: our step charged the gloo time of "
-            "its exchanges instead of the MPI time, over PyTorch's step: what is left of the ratio "
-            "when both sides pay the same transport, as far as a bare replay can tell.", ""] + table(
-        ["strategy", "N", "ours / PyTorch's", "× PyTorch (range; rounds)", "verdict", "our exchanges bare: MPI / gloo ms",
-         "× PyTorch, ours at gloo's cost (range; rounds)", "verdict"], rows)
+    return ["## Summary: ours against PyTorch's on one transport", "",
+            "Every pairing of one of our runs with PyTorch's in the tables below, both on gloo: *ours on "
+            "gloo* is the same script, unchanged, handed a communicator whose buffer exchanges (every "
+            "collective and message of the step) go through torch.distributed's gloo group of the same "
+            "ranks, the peers' transport (bench/worker.py's GlooComm; the check's and the report's "
+            "pickled objects and the barriers stay on MPI). *× PyTorch*: our step over theirs, paired "
+            "round by round (median; lowest–highest round; the rounds ours was faster in; a two-sided "
+            f"sign test's p over the rounds). *Verdict*, the bench's rule: a winner only with at least "
+            f"{MIN_ROUNDS} rounds, the median more than {TIE:.0%} from 1× and p below {ALPHA}; otherwise a "
+            "tie. *Peak MB per rank*: each rank's peak while training, measured alike in both (the "
+            "resident set's peak less code, less the process before the model; on CUDA the allocator's). "
+            "*On MPI*: ours as it ships, on MPICH's shared memory, against the same peer. The pipeline's "
+            "*fastest* rows set the fastest of our schedules (by median) against the fastest of torch's.", ""
+            ] + table(["strategy", "N", "ours / PyTorch's", "ours on gloo × PyTorch (range; rounds; p)", "verdict",
+                       "peak MB per rank: ours (on gloo)", "peak MB per rank: PyTorch's",
+                       "ours on MPI × PyTorch (range; rounds; p)", "verdict"], rows)
 
 
 SECTION_NAMES = {"dp": "data", "pp": "pipeline", "tp": "tensor", "zero": "ZeRO", "large": "larger GPT"}

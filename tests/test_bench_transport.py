@@ -1,0 +1,309 @@
+"""bench/worker.py's GlooComm, which carries a strategy's exchanges on gloo for the bench's rows "ours on
+gloo": each exchange through it against MPI's, bit for bit, on the bench's sizes; a strategy's --check on
+it; and bench/report.py's verdict rule."""
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from bench import report
+from bench import worker
+from harness import agree, sub_comm
+
+GRADIENTS = worker.gradient_buffer().numel()  # data_parallel.py's LeNet: 61,990 floats, 247,960 bytes
+SMALL_BUCKET = int(0.05 * 2 ** 20) // 4  # the floats of one --bucket-mb 0.05 bucket
+SIZES = (GRADIENTS, SMALL_BUCKET, worker.TRANSPORT_BYTES // 4)  # and the transport table's 1 MiB vector
+
+
+def shim(comm, tmp_path):
+    """A GlooComm over comm, its gloo group met through a FileStore in rank 0's tmp_path."""
+    import torch.distributed as dist
+    path = comm.bcast(str(tmp_path / "store") if comm.Get_rank() == 0 else None, root=0)
+    return worker.GlooComm(comm, dist.FileStore(path, comm.Get_size()))
+
+
+def counts(sender, receiver):
+    """Alltoallv's uneven counts: what `sender` sends `receiver`, 0 among them."""
+    return (sender + 2 * receiver) % 5
+
+
+def exchanges(rank, size, numel, exact):
+    """Every exchange the compared scripts hand their communicator, as (name, run(comm) -> the tensor it
+    leaves on this rank). With exact, the summed vectors hold small whole numbers, so that a sum in any
+    order is the same float; without, normal noise."""
+    g = torch.Generator().manual_seed(1000 * size + rank)
+    noise = torch.randn(numel - numel % size, generator=g)
+    summed = torch.randint(-1024, 1024, noise.shape, generator=g).float() if exact else noise
+    part = noise.numel() // size
+    mine = noise[:part].clone()
+
+    def allreduce(comm):
+        t = summed.clone()
+        comm.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)
+        return t
+
+    def allreduce_out_of_place(comm):
+        t = torch.empty_like(summed)
+        comm.Allreduce(summed, t, op=MPI.SUM)
+        return t
+
+    def iallreduce_max(comm):  # tensor_parallel.py's vocabulary-parallel loss takes a MAX
+        t = noise.clone()
+        request = comm.Iallreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+        while not request.Test():
+            pass
+        request.Wait()
+        return t
+
+    def iallreduce(comm):
+        t = summed.clone()
+        comm.Iallreduce(MPI.IN_PLACE, t, op=MPI.SUM).Wait()
+        return t
+
+    def reduce_scatter(comm):
+        t = torch.empty(part)
+        comm.Reduce_scatter_block(summed, t, op=MPI.SUM)
+        return t
+
+    def ireduce_scatter(comm):
+        t = torch.empty(part)
+        comm.Ireduce_scatter_block(summed, t, op=MPI.SUM).Wait()
+        return t
+
+    def allgather(comm):
+        t = torch.empty(part * size)
+        comm.Allgather(mine, t)
+        return t
+
+    def allgather_in_place(comm):  # sharded_data_parallel.py's: this rank's part already in its slot
+        t = torch.zeros(part * size)
+        t[rank * part:(rank + 1) * part] = mine
+        comm.Allgather(MPI.IN_PLACE, t)
+        return t
+
+    def iallgather_in_place(comm):
+        t = torch.zeros(part * size)
+        t[rank * part:(rank + 1) * part] = mine
+        comm.Iallgather(MPI.IN_PLACE, t).Wait()
+        return t
+
+    def bcast(comm):
+        t = noise.clone()
+        comm.Bcast(t, root=size - 1)
+        return t
+
+    def alltoall(comm):
+        t = torch.empty_like(noise)
+        comm.Alltoall(noise, t)
+        return t
+
+    def alltoall_counts(comm):  # expert_parallel.py's counts: int64
+        sent = torch.arange(size, dtype=torch.int64) * 7 + rank
+        t = torch.empty_like(sent)
+        comm.Alltoall(sent, t)
+        return t
+
+    def alltoallv(comm):
+        sent = [counts(rank, j) * (numel // 64) for j in range(size)]
+        taken = [counts(j, rank) * (numel // 64) for j in range(size)]
+        t = torch.empty(sum(taken))
+        comm.Alltoallv([noise[:sum(sent)].clone(), sent], [t, taken])
+        return t
+
+    def ring(comm):  # pipeline_parallel.py's messages: Isend and Irecv, tagged, all waited for
+        t = torch.empty_like(noise)
+        requests = [comm.Irecv(t, source=(rank - 1) % size, tag=11), comm.Isend(noise, dest=(rank + 1) % size, tag=11)]
+        for r in requests:
+            r.Wait()
+        return t
+
+    def send_recv(comm):  # the blocking pair, even ranks first
+        t = torch.empty_like(noise)
+        if rank % 2 == 0:
+            comm.Send(noise, dest=rank ^ 1, tag=3)
+            comm.Recv(t, source=rank ^ 1, tag=3)
+        else:
+            comm.Recv(t, source=rank ^ 1, tag=3)
+            comm.Send(noise, dest=rank ^ 1, tag=3)
+        return t
+
+    def sendrecv(comm):
+        t = torch.empty_like(noise)
+        comm.Sendrecv(noise, dest=(rank + 1) % size, sendtag=4, recvbuf=t, source=(rank - 1) % size, recvtag=4)
+        return t
+
+    return [(f.__name__, f) for f in (allreduce, allreduce_out_of_place, iallreduce_max, iallreduce, reduce_scatter,
+                                      ireduce_scatter, allgather, allgather_in_place, iallgather_in_place, bcast,
+                                      alltoall, alltoall_counts, alltoallv, ring, send_recv, sendrecv)]
+
+
+def differing(comm, gloo, exact):
+    """The names of the exchanges whose result through gloo differs from MPI's in any bit, on any rank,
+    at any of the bench's sizes."""
+    wrong = set()
+    for numel in SIZES:
+        for name, run in exchanges(comm.Get_rank(), comm.Get_size(), numel, exact):
+            by_mpi, by_gloo = run(comm), run(gloo)
+            if by_mpi.shape != by_gloo.shape or not torch.equal(by_mpi.view(torch.uint8), by_gloo.view(torch.uint8)):
+                wrong.add(name)
+    return sorted(set().union(*comm.allgather(wrong)))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_exchange_through_gloo_equals_mpis_bit_for_bit(size, tmp_path):
+    """At N = 2 on normal noise (a sum of two floats is the same in either order); at N = 4 with the
+    summed vectors of whole numbers, where every order of a sum gives the same float (MPICH sums four
+    ranks by recursive halving, gloo round a ring: on noise they differ in the last bit, checked below)."""
+    with sub_comm(size) as comm:
+        wrong = []
+        if comm is not None:
+            wrong = differing(comm, shim(comm, tmp_path), exact=size > 2)
+        assert agree(not wrong), wrong
+
+
+@pytest.mark.mpi
+def test_at_four_ranks_a_sum_of_noise_differs_from_mpis_only_by_the_order_of_its_additions(tmp_path):
+    """The bound of a reordered float32 sum of 4 terms: each order is within 3 (eps / 2) sum |x_i| of the
+    exact sum (3 additions, each rounding once), so the two within 3 eps sum |x_i| of each other, per
+    element. Measured on the LeNet's 61,990 gradients: at most 9.5e-7 apart."""
+    with sub_comm(4) as comm:
+        ok = True
+        if comm is not None:
+            gloo = shim(comm, tmp_path)
+            x = torch.randn(GRADIENTS, generator=torch.Generator().manual_seed(comm.Get_rank()))
+            by_mpi, by_gloo, magnitude = x.clone(), x.clone(), x.abs()
+            comm.Allreduce(MPI.IN_PLACE, by_mpi, op=MPI.SUM)
+            gloo.Allreduce(MPI.IN_PLACE, by_gloo, op=MPI.SUM)
+            comm.Allreduce(MPI.IN_PLACE, magnitude, op=MPI.SUM)
+            ok = bool(((by_mpi - by_gloo).abs() <= 3 * torch.finfo(torch.float32).eps * magnitude).all())
+            # and every rank holds the same sum: replicas stay identical on gloo as on MPI
+            ok = ok and all(torch.equal(by_gloo, other) for other in comm.allgather(by_gloo))
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+def test_a_chunk_misplaced_by_the_shim_is_caught(tmp_path, monkeypatch):
+    """The negative control of the comparison: a reduce-scatter that hands each rank the next rank's
+    sum, and an all-gather that rotates its chunks, are found, and nothing else is."""
+    reduce_scatter, allgather = worker.GlooComm.Ireduce_scatter_block, worker.GlooComm.Iallgather
+
+    def shifted(self, sendbuf, recvbuf, op=MPI.SUM):
+        return reduce_scatter(self, torch.roll(sendbuf, -sendbuf.numel() // self.Get_size()), recvbuf, op)
+
+    def rotated(self, sendbuf, recvbuf):
+        request = allgather(self, sendbuf, recvbuf)
+        request.Wait()
+        recvbuf.copy_(torch.roll(recvbuf, recvbuf.numel() // self.Get_size()))
+        return request
+    monkeypatch.setattr(worker.GlooComm, "Ireduce_scatter_block", shifted)
+    monkeypatch.setattr(worker.GlooComm, "Iallgather", rotated)
+    planted = ["allgather", "allgather_in_place", "iallgather_in_place", "ireduce_scatter", "reduce_scatter"]
+    with sub_comm(2) as comm:
+        wrong = planted
+        if comm is not None:
+            wrong = differing(comm, shim(comm, tmp_path), exact=False)
+        assert agree(wrong == planted), wrong
+
+
+def run_data_parallel(comm, *flags):
+    """data_parallel.py's main() in this process on comm: its exit code and --json object (rank 0's)."""
+    import data_parallel
+    out = io.StringIO()
+    argv = ["--steps", "3", "--batch-size", "16", "--bucket-mb", "0.05", "--log-every", "1000000", "--json", *flags]
+    with contextlib.redirect_stdout(out):
+        code = data_parallel.main(argv, comm)
+    lines = out.getvalue().strip().splitlines()
+    return code, json.loads(lines[-1]) if comm.Get_rank() == 0 and lines else None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_data_parallel_passes_its_check_on_gloo_with_mpis_losses_bit_for_bit(plant, tmp_path, monkeypatch):
+    """data_parallel.py --bucket-mb 0.05 (two buckets: Iallreduce, polled during backward) at N = 2 on
+    the shim: its --check passes and its losses are MPI's run's, bit for bit. The negative control: a
+    shim whose sums take the largest instead fails the check."""
+    if plant:
+        monkeypatch.setattr(worker, "gloo_op", lambda op: worker.dist.ReduceOp.MAX)
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            code, on_gloo = run_data_parallel(shim(comm, tmp_path), "--check")
+            if plant:
+                ok = code == 1
+            else:
+                _, on_mpi = run_data_parallel(comm, "--no-check")
+                ok = code == 0 and (comm.Get_rank() != 0 or on_gloo["losses"] == on_mpi["losses"])
+        assert agree(ok)
+
+
+# -----------------------------------------------------------------------------
+# The verdict rule: at least 8 rounds, the median more than 3% from 1x, and a sign test's p below 0.05
+# -----------------------------------------------------------------------------
+@pytest.mark.parametrize("each,word", [
+    ([0.8] * 5, "too few rounds"),  # 5 of 5 faster: p = 2 / 2^5 = 0.0625, and fewer than 8 rounds
+    ([0.8] * 8, "faster"),  # 8 of 8: p = 2 / 2^8 = 0.0078
+    ([1.2] * 8, "slower"),
+    ([0.8] * 7 + [1.1], "tie"),  # 7 of 8: p = 2 * 9 / 256 = 0.070
+    ([0.8] * 9 + [1.1], "faster"),  # 9 of 10: p = 2 * 11 / 1024 = 0.021
+    ([0.98] * 10, "tie"),  # every round agrees, but within 3% of 1x
+    ([0.9, 1.1] * 5, "tie"),  # the median is 1.0
+])
+def test_the_verdict_needs_eight_rounds_a_median_past_three_percent_and_a_sign_test(each, word):
+    assert report.verdict(each)[0] == word
+
+
+def test_the_sign_test_is_two_sided_and_leaves_out_rounds_of_exactly_one():
+    assert report.sign_test(5, 5) == pytest.approx(0.0625)
+    assert report.sign_test(8, 8) == pytest.approx(2 / 256)
+    assert report.sign_test(0, 8) == pytest.approx(2 / 256)
+    assert report.sign_test(4, 8) == 1.0
+    assert report.verdict([0.8] * 8 + [1.0] * 2)[0] == "faster"  # 8 of the 8 that differ
+
+
+def made_up(label, tags, seconds, peak_mib=None, **result):
+    """A case as bench/worker.py records it: the median step, the step of every round, the peaks."""
+    peaks = {"peak_memory_bytes_per_rank": [int(p * 2 ** 20) for p in peak_mib]} if peak_mib else {}
+    return {"label": label, "tags": tags, "result": {"step_time_s": sorted(seconds)[len(seconds) // 2],
+                                                     "step_time_s_rounds": seconds, **peaks, **result}}
+
+
+def test_the_summary_pairs_ours_on_gloo_with_the_peer_beside_ours_on_mpi_with_both_peaks():
+    """Ours on gloo at 0.95x in 7 of 8 rounds is a tie (p = 0.070), ours on MPI at 0.5x in 8 of 8 a
+    win; the pipeline's fastest schedules meet, each side's chosen by its median."""
+    dp = {"group": "dp", "ranks": 2, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 8, "rounds": 8, "mpi_library": "MPICH", "config": {"batch_size": 64}, "cases": [
+            made_up("data_parallel.py", {"kind": "strategy", "variant": "default"}, [0.010] * 8, [2, 3], buckets=1,
+                    comm_s=0.002),
+            made_up("PyTorch DDP (gloo)", {"kind": "peer", "variant": "ddp"}, [0.020] * 8, [4, 4], buckets=1),
+            made_up("data_parallel.py on gloo", {"kind": "on_gloo", "of": "data_parallel.py"},
+                    [0.019] * 7 + [0.021], [2.5, 3.5]),
+            made_up("no exchange (compute alone)", {"kind": "floor"}, [0.008] * 8),
+            made_up("bare MPI Allreduce of the gradients", {"kind": "limit", "variant": "mpi"}, [0.0005],
+                    bytes=247960)]}}
+
+    def pp(kind, schedule, seconds, **tags):
+        label = (f"pipeline_parallel.py --schedule {schedule} --micro-batches 4" if kind == "strategy"
+                 else f"torch.distributed.pipelining {schedule}, M = 4")
+        return made_up(label, {"kind": kind, "schedule": tags.pop("same", schedule), "m": 4, **tags}, seconds,
+                       [1, 1], bubble_fraction=0.2, bubble_fraction_theory=0.2)
+    ours = [pp("strategy", "1f1b", [0.10] * 8, strategy="pipeline_parallel"),
+            pp("strategy", "zbv", [0.08] * 8, strategy="pipeline_parallel")]
+    twins = [made_up(c["label"] + " on gloo", {"kind": "on_gloo", "of": c["label"]}, seconds, [1, 1])
+             for c, seconds in zip(ours, ([0.11] * 8, [0.12] * 8))]
+    peers = [pp("peer", "Schedule1F1B", [0.09] * 8, same="1f1b", torch="Schedule1F1B", placement="1f1b"),
+             pp("peer", "ScheduleGPipe", [0.085] * 8, same="gpipe", torch="ScheduleGPipe", placement="gpipe")]
+    pipeline = {"group": "pp", "ranks": 2, "env": {}, "error": None, "load": [1.0, 1.0], "result": {
+        "steps": 5, "rounds": 8, "config": {"layers": 8}, "cases": ours + twins + peers}}
+    meta = {"mode": "full", "command": "python bench/run.py", "date": "today", "torch": "2", "seconds": 1.0,
+            "missing": [], "machine": {"cpu": "a CPU", "cores": 2, "load": 1.0, "python": "3"}}
+    text = report.render(meta, [dp, pipeline])
+    assert ("| data | 2 | data_parallel.py / PyTorch DDP (gloo) | 0.95× (0.95–1.05; faster in 7 of 8, p = 0.070) "
+            "| tie | 2.5, 3.5 | 4.0, 4.0 | 0.50× (0.50–0.50; faster in 8 of 8, p = 0.008) | ours faster |") in text
+    # 0.11 / 0.085 = 1.29 on gloo (1f1b, ours fastest there); 0.08 / 0.085 = 0.94 on MPI (zbv)
+    assert ("| pipeline | 2 | the fastest of ours (on MPI zbv, on gloo 1f1b), M = 4 / the fastest of torch's "
+            "(ScheduleGPipe) | 1.29× (1.29–1.29; faster in 0 of 8, p = 0.008) | PyTorch's faster | 1.0, 1.0 "
+            "| 1.0, 1.0 | 0.94× (0.94–0.94; faster in 8 of 8, p = 0.008) | ours faster |") in text
