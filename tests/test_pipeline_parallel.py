@@ -173,7 +173,7 @@ def test_layer_split_is_contiguous_complete_and_balanced(layers, n):
 # -----------------------------------------------------------------------------
 def train_pipeline(args, comm, network=lambda comm: comm):
     """The pieces main() uses, without the report: losses (on every rank), stage, meter, ranks,
-    and the timeline. The steps talk through network(the counting communicator)."""
+    the timeline and the gradient norms. The steps talk through network(the counting communicator)."""
     n, rank = comm.Get_size(), comm.Get_rank()
     device = torch.device("cpu")
     # A fair share of the cores for every rank of the job, not only of this sub-communicator:
@@ -185,32 +185,36 @@ def train_pipeline(args, comm, network=lambda comm: comm):
     ranks = [pp.stage_rank(args.schedule, n, s) for s in range(n * v)]
     actions = pp.SCHEDULES[args.schedule](n, args.micro_batches, rank, v)
     stage = pp.build_stage(args, ranks, rank, device, args.schedule in ("zb-h1", "zbv"))
-    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = pp.make_optimizer(args, stage.parameters())
     meter = pp.ActivationMeter(stage)
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         start = time.perf_counter()
-        losses.append(pp.train_step(stage, optimizer, actions, ranks,
-                                    *pp.make_batch(args.seed, step, args.batch_size, args.seq_len),
-                                    args.micro_batches, counted, meter, timeline, args.precision))
+        for settings in optimizer.param_groups:
+            settings["lr"] = pp.learning_rate(args, step)
+        loss, norm = pp.train_step(stage, optimizer, actions, ranks,
+                                   *pp.make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged),
+                                   args.micro_batches, counted, meter, timeline, args.precision, args.clip_grad)
+        losses.append(loss), norms.append(norm)
         timeline.step_record(start)
-    return comm.bcast(losses, root=ranks[-1]), stage, meter, ranks, timeline
+    return comm.bcast(losses, root=ranks[-1]), stage, meter, ranks, timeline, norms
 
 
 def limit(precision):
     return pp.TOLERANCE_BF16 if precision == "bf16" else pp.TOLERANCE
 
 
-def differences(comm, args, losses, stage, ranks, nudge):
-    """The check's largest |difference| against one process, over every rank; and the negative
+def differences(comm, args, losses, stage, ranks, nudge, norms=()):
+    """The check's largest |difference| against one process, over every rank (the gradient norms count
+    as losses, in bf16 too at these sizes, where the script's check leaves them out); and the negative
     control: each of this rank's parameters moved in turn by `nudge`, the least largest difference
     that gives (every nudged parameter must be seen)."""
-    ref_losses, ref_model = pp.reference_training(args)
+    ref_losses, ref_model, ref_norms = pp.reference_training(args)
     refs = [p.detach() for s in range(len(ranks)) if ranks[s] == comm.Get_rank()
             for p in ref_model[pp.stage_slice(args.layers, s, len(ranks))].parameters()]
     mine = [p.detach() for p in stage.parameters()]
     assert [p.shape for p in mine] == [p.shape for p in refs]
-    of_losses = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    of_losses = max(abs(a - b) for a, b in [*zip(losses, ref_losses), *zip(norms, ref_norms)])
     diff = max([of_losses] + [(p - r).abs().max().item() for p, r in zip(mine, refs)])
     nudged = min(max(of_losses, (p + nudge - r).abs().max().item()) for p, r in zip(mine, refs))
     return max_everywhere(diff, comm), nudged
@@ -232,8 +236,8 @@ def check_against_reference(comm, size, name, precision):
     ms = [m for m in (size, 2 * size) if 12 % m == 0] if name == "interleaved" else sorted({max(1, size - 1), 6})
     for m in ms[-1:] if precision == "bf16" else ms:
         args = pp.parse_args(TINY + ["--micro-batches", str(m), "--schedule", name, "--precision", precision], size)
-        losses, stage, meter, ranks, _ = train_pipeline(args, comm)
-        diff, nudged = differences(comm, args, losses, stage, ranks, nudge=1.5 * limit(precision))
+        losses, stage, meter, ranks, _, norms = train_pipeline(args, comm)
+        diff, nudged = differences(comm, args, losses, stage, ranks, 1.5 * limit(precision), norms)
         assert diff <= limit(precision) and agree(nudged > limit(precision), comm), (size, name, m, diff, nudged)
         # Measured from what autograd holds: the schedule's bound at the peak, nothing left after.
         bound = pp.schedule_bound(name, size, m, comm.Get_rank(), args.virtual_stages)
@@ -255,7 +259,7 @@ def test_activations_kept_after_their_backward_are_seen():
             torch.Tensor.backward = lambda self, *a, **k: (kept.append(self), original(
                 self, *a, **{**k, "retain_graph": True}))[1]
             try:
-                _, _, meter, _, _ = train_pipeline(args, comm)
+                _, _, meter, _, _, _ = train_pipeline(args, comm)
             finally:
                 torch.Tensor.backward = original
             assert agree(meter.peak_count == 4 and meter.live, comm)  # the bound is 2 and 1
@@ -295,7 +299,7 @@ def test_activation_bytes_equal_the_formula_and_recomputation_keeps_the_losses(n
             args = pp.parse_args(TINY + ["--steps", "1", "--micro-batches", str(m), "--schedule", name,
                                          "--precision", precision, "--recompute", recompute], size)
             counted = Counted()
-            losses[recompute], _, meter, ranks, _ = train_pipeline(args, comm, counted)
+            losses[recompute], _, meter, ranks, _, _ = train_pipeline(args, comm, counted)
             one, bound = one_micro_batch(args, size, rank), pp.schedule_bound(name, size, m, rank, args.virtual_stages)
             measured[recompute], formula[recompute] = meter.per_mb, pp.activation_bytes(args, rank, size)
             assert agree(meter.per_mb == one and meter.peak_count == bound and meter.peak_bytes <= bound * one
@@ -325,7 +329,7 @@ def test_the_meter_leaves_out_the_bf16_copies_of_the_weights():
             keep = pp.ActivationMeter.parameter_copy
             pp.ActivationMeter.parameter_copy = lambda self, t: False
             try:
-                _, stage, meter, _, _ = train_pipeline(args, comm)
+                _, stage, meter, _, _, _ = train_pipeline(args, comm)
             finally:
                 pp.ActivationMeter.parameter_copy = keep
             weights = sum(l.weight.numel() for l in stage.modules() if isinstance(l, pp.Linear))
@@ -354,9 +358,82 @@ def test_gradients_scaled_by_one_over_n_fail_the_check(precision):
     with sub_comm(3) as comm:
         if comm is not None:
             args = pp.parse_args(TINY + ["--micro-batches", "3", "--precision", precision], 3)
-            losses, stage, _, ranks, _ = train_pipeline(args, comm, GradientsScaled)
+            losses, stage, _, ranks, _, _ = train_pipeline(args, comm, GradientsScaled)
             diff, _ = differences(comm, args, losses, stage, ranks, 0.0)
             assert diff > limit(precision), diff
+
+
+# The recipe: AdamW, a cosine after one step of warm-up, the clip below the norms (2 to 3 here) so that it acts.
+RECIPE = ["--optimizer", "adamw", "--lr", "1e-3", "--clip-grad", "0.5", "--lr-schedule", "cosine",
+          "--warmup-steps", "1"]
+
+
+def test_the_learning_rate_warms_up_then_follows_its_cosine_and_a_warmup_of_every_step_is_refused():
+    args = pp.parse_args(["--steps", "11", "--lr", "1", "--warmup-steps", "2", "--lr-schedule", "cosine"], 1)
+    assert [pp.learning_rate(args, s) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert pp.learning_rate(args, 6.5) == pytest.approx(0.55) and pp.learning_rate(args, 11) == pytest.approx(0.1)
+    assert pp.learning_rate(pp.parse_args(["--steps", "11", "--lr", "1"], 1), 7) == 1
+    with pytest.raises(pp.ConfigError, match="--warmup-steps 3 must be below --steps 3"):
+        pp.parse_args(["--steps", "3", "--warmup-steps", "3"], 1)
+
+
+def test_ragged_documents_pad_past_their_length_and_leave_the_plain_batch_as_it_was():
+    x, y = pp.make_batch(0, 5, 12, 16)
+    xr, yr = pp.make_batch(0, 5, 12, 16, ragged=True)
+    padding = yr == pp.IGNORE
+    lengths = 16 - padding.sum(1)
+    assert torch.equal(x, pp.make_batch(0, 5, 12, 16)[0]) and lengths.min() >= 1 and padding.any()
+    assert torch.equal(padding, torch.arange(16) >= lengths[:, None]) and (xr[padding] == 0).all()
+    assert torch.equal(xr[~padding], x[~padding]) and torch.equal(yr[~padding], y[~padding])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", SIZES)
+def test_the_recipe_on_ragged_documents_equals_single_process_training(size):
+    """AdamW, the clip, the cosine, documents of uneven length: losses, gradient norms and parameters
+    against one process, under the schedules with several chunks per rank, and gpipe (SGD, the clip's
+    effect on the step plain), each with M not a multiple of N where the schedule allows."""
+    with sub_comm(size) as comm:
+        if comm is not None:
+            interleaved = 2 * size if 12 % (2 * size) == 0 else size
+            for name, m, extra in [("zbv", 4, RECIPE), ("interleaved", interleaved, RECIPE),
+                                   ("gpipe", 3, ["--clip-grad", "0.5", "--warmup-steps", "1"])]:
+                args = pp.parse_args(TINY + ["--steps", "3", "--micro-batches", str(m), "--schedule", name,
+                                             "--ragged", *extra], size)
+                losses, stage, _, ranks, _, norms = train_pipeline(args, comm)
+                diff, _ = differences(comm, args, losses, stage, ranks, 0.0, norms)
+                assert diff <= pp.TOLERANCE and min(norms) > 0.5, (name, size, diff, norms)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", ["each rank its own stages' terms", "the first chunk alone"])
+def test_a_norm_missing_another_stages_terms_fails_the_check(plant, monkeypatch):
+    """The plants: the norm without the allreduce (each rank's own squares), or of a rank's first
+    chunk alone (zbv's rank 0 holds the first stage and the last). The norms, and the clip's
+    steps, part from one process's."""
+    norm = pp.global_grad_norm
+    monkeypatch.setattr(pp, "global_grad_norm", (lambda stage, comm: norm(stage, pp.MPI.COMM_SELF))
+                        if plant.startswith("each") else (lambda stage, comm: norm(stage[:1], comm)))
+    with sub_comm(3) as comm:
+        if comm is not None:
+            args = pp.parse_args(TINY + ["--micro-batches", "4", "--schedule", "zbv", *RECIPE], 3)
+            norms = train_pipeline(args, comm)[-1]
+            diff = max_everywhere(max(abs(a - b) for a, b in zip(norms, pp.reference_training(args)[2])), comm)
+            assert diff > pp.TOLERANCE, diff
+
+
+@pytest.mark.mpi
+def test_each_micro_batch_over_its_own_count_of_valid_targets_fails_the_check(monkeypatch):
+    """The plant: each micro-batch's loss a mean over its own valid targets, divided by M: a token of a
+    micro-batch with fewer valid targets weighs more than one process gives it."""
+    monkeypatch.setattr(pp, "micro_batch_loss", lambda logits, targets, valid: torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=pp.IGNORE) / 4)
+    with sub_comm(2) as comm:
+        if comm is not None:
+            args = pp.parse_args(TINY + ["--micro-batches", "4", "--ragged"], 2)
+            losses, stage, _, ranks, _, norms = train_pipeline(args, comm)
+            diff, _ = differences(comm, args, losses, stage, ranks, 0.0, norms)
+            assert diff > pp.TOLERANCE, diff
 
 
 class EachSendWaitedAtOnce:
@@ -398,7 +475,7 @@ def test_sends_fly_while_the_rank_computes_and_the_count_falls_when_each_is_wait
             args = pp.parse_args(TINY + ["--micro-batches", "3", "--steps", "1", "--schedule", name], 3)
             counts = {}
             for label, network in (("overlapped", lambda c: c), ("waited at once", EachSendWaitedAtOnce)):
-                timeline = train_pipeline(args, comm, network)[-1]
+                timeline = train_pipeline(args, comm, network)[4]
                 counts[label] = [comm.allreduce(c) for c in pp.sends_in_flight(timeline.step_events)]
             promised = promised_in_flight(name, 3, 3, args.virtual_stages)
             assert promised[0] > 0 and counts == {"overlapped": promised, "waited at once": [0, promised[1]]}, counts
@@ -424,12 +501,14 @@ def test_message_tags_stay_within_the_librarys_bound():
 RESUME = ["--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
           "--micro-batches", "4", "--json"]
 # (saved on, resumed on): N, the schedule and V each change, and one pair keeps its grid (bit for bit).
+# Two pairs train the recipe (AdamW's moments and step count, the norms and the cosine go on), one on
+# ragged documents; the cosine of --steps 2 and of 4 agree on steps 0 and 1 (one step of warm-up).
 PAIRS = [((2, ["--schedule", "1f1b"]), (3, ["--schedule", "zb-h1"])),
-         ((4, ["--schedule", "interleaved", "--virtual-stages", "2"]),
-          (2, ["--schedule", "interleaved", "--virtual-stages", "3"])),
-         ((3, ["--schedule", "zbv"]), (1, ["--schedule", "gpipe"])),
+         ((4, ["--schedule", "interleaved", "--virtual-stages", "2", *RECIPE]),
+          (2, ["--schedule", "interleaved", "--virtual-stages", "3", *RECIPE])),
+         ((3, ["--schedule", "zbv", "--ragged"]), (1, ["--schedule", "gpipe", "--ragged"])),
          ((1, ["--schedule", "gpipe"]), (4, ["--schedule", "zbv"])),
-         ((2, ["--schedule", "zb-h1"]), (2, ["--schedule", "zb-h1"]))]
+         ((2, ["--schedule", "zb-h1", *RECIPE]), (2, ["--schedule", "zb-h1", *RECIPE]))]
 
 
 @pytest.fixture
@@ -472,7 +551,22 @@ def test_a_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run_there(tmp
             whole[key] = run_main(n_new, RESUME + resumed_on + ["--steps", "4", "--no-check"])[1]["losses"]
         diff = max(abs(a - b) for a, b in zip(resumed["losses"][2:], whole[key][2:]))
         assert resumed["losses"][:2] == first["losses"] and resumed["check_max_abs_diff"] <= pp.TOLERANCE
+        assert resumed["grad_norms"][:2] == first["grad_norms"] and len(resumed["grad_norms"]) == 4
         assert diff <= pp.TOLERANCE and (resumed["losses"] == whole[key] or not same_grid), (k, diff)
+
+
+@pytest.mark.mpi
+def test_a_schedule_one_step_off_after_a_resume_fails_the_check(tmp_path_factory, run_main, monkeypatch):
+    """The plant: the resumed run takes each step's learning rate one step ahead (step + 1), as a loop
+    that miscounts the steps the checkpoint trained by one would; the reference's own
+    schedule catches it. Unplanted, the same resume passes (PAIRS' last pair)."""
+    folder = world().bcast(str(tmp_path_factory.mktemp("schedule")), root=0)
+    flags = RESUME + ["--schedule", "zb-h1", *RECIPE]
+    assert run_main(2, flags + ["--steps", "2", "--save", folder, "--no-check"])[0] == 0
+    on_time = pp.learning_rate
+    monkeypatch.setattr(pp, "learning_rate", lambda args, step: on_time(args, step + 1))
+    status, _, out, err = run_main(2, flags + ["--steps", "4", "--save", folder, "--resume"])
+    assert status == 1 and "-> FAIL" in out and "resumed from" in out, out + err
 
 
 @pytest.mark.mpi
@@ -524,6 +618,24 @@ def test_launches_agree_across_world_sizes_schedules_and_micro_batches(tmp_path)
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in trace} == {0, 1, 2, 3}
     assert {"F0", "B1", "optimizer", "Isend", "Irecv", "Irecv wait"} <= {e["name"] for e in trace}
+
+
+@pytest.mark.e2e
+def test_the_recipe_on_ragged_documents_passes_its_check_as_a_user_runs_it():
+    """AdamW, the clip below every step's norm, the cosine after a step of warm-up, at N = 2, 3 and 4;
+    ragged documents at 3 and 4, bf16 at 4 (TOLERANCE_BF16 holds there: see its measurement). The norm,
+    printed with the loss, goes into --json and the check; the clip's allreduce of 4 bytes is counted."""
+    for np_, schedule, m, extra in [(2, "zbv", 4, []), (3, "zb-h1", 3, ["--ragged"]),
+                                    (4, "interleaved", 4, ["--ragged", "--precision", "bf16"])]:
+        out = launch("pipeline_parallel.py", np_, "--steps", 3, "--schedule", schedule, "--micro-batches", m,
+                     *SMALL, *RECIPE, *extra, "--log-every", 1, "--json", timeout=300)
+        result = last_json(out)
+        assert "-> PASS" in out.stdout and result["check_max_abs_diff"] <= limit(result["precision"]), out.stdout
+        norms, e = result["grad_norms"], 2 if "bf16" in extra else 4
+        assert len(norms) == 3 and min(norms) > 0.5 and out.stdout.count("| norm ") == 3, norms
+        crossings = sum(a != b for a, b in zip(result["stage_ranks"], result["stage_ranks"][1:]))
+        assert result["collectives_per_step"] == 1 and "clipped at 3 of 3 steps" in out.stdout
+        assert result["comm_bytes_per_step"] == 2 * crossings * 12 * 16 * 32 * e + 4 * np_  # the norm's 4 a rank
 
 
 @pytest.mark.e2e
