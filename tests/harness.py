@@ -6,13 +6,18 @@ marked `@pytest.mark.e2e`: they launch a script with mpirun as a user would, fro
 after every in-process test (see conftest.py), with the MPI environment removed and a timeout.
 """
 import contextlib
+import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
+import types
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [1, 2, 3, 4]  # the world sizes in-process tests cover, on sub-communicators
@@ -158,3 +163,37 @@ def step_2_of(folder, tmp_path_factory):
         copy = tmp_path_factory.mktemp("resumed")
         shutil.copytree(Path(folder) / "step-000002", copy / "step-000002")
     return world().bcast(str(copy), root=0)
+
+
+def receive_waits_for_queued_kernels(module, monkeypatch):
+    """module.receive_buffer on a stand-in GPU tensor (is_cuda, torch.cuda.Event a recorder) with a
+    CUDA-aware MPI: it records an event and synchronizes it before handing the tensor itself to MPI.
+    The former rule (the tensor itself, no event) records nothing; a CPU tensor needs no event."""
+    log = []
+
+    class Event:
+        def record(self, stream=None):
+            log.append("record")
+
+        def synchronize(self):
+            log.append("synchronize")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(module, "CUDA_AWARE", True)
+    on_gpu, on_cpu = types.SimpleNamespace(is_cuda=True, shape=(2, 3), dtype=torch.float32), torch.zeros(3)
+
+    def events(receive_buffer, t):
+        log.clear()
+        return receive_buffer(t) is t, list(log)
+    former = lambda t: t if not t.is_cuda or module.CUDA_AWARE else None  # noqa: E731
+    assert events(module.receive_buffer, on_gpu) == (True, ["record", "synchronize"])
+    assert events(former, on_gpu) == (True, [])
+    assert events(module.receive_buffer, on_cpu) == (True, [])
+
+
+def planted(monkeypatch, module, name, old, new):
+    """The planted bug: module.name recompiled from its source with `old` replaced by `new` (once)."""
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    assert source.count(old) == 1, f"the plant needs {old!r} once in {name}"
+    scope = {}
+    exec(compile(source.replace(old, new), module.__file__, "exec"), vars(module), scope)
+    monkeypatch.setattr(module, name, scope[name])

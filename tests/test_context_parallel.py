@@ -2,14 +2,13 @@
 in both layouts and the three variants, the counts beside their formulas, then the script as launched."""
 import json
 import math
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
 import context_parallel as cp
-from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, step_2_of, sub_comm, world
+from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, receive_waits_for_queued_kernels, step_2_of, sub_comm, world
 
 CPU = torch.device("cpu")
 VARIANTS = [("ring", True), ("ring", False), ("allgather", True), ("alltoall", True)]  # (--cp-comm, overlap)
@@ -427,25 +426,7 @@ def test_a_receive_into_gpu_memory_waits_alone_for_the_kernels_queued_before(mon
     it) before handing the tensor over, not count on a send staged beside it. On the CPU a stand-in:
     a tensor that says it is on a GPU, torch.cuda.Event a recorder. The plant, the former rule (the
     tensor itself, no event), records nothing and fails; a CPU tensor needs no event."""
-    log = []
-
-    class Event:
-        def record(self, stream=None):
-            log.append("record")
-
-        def synchronize(self):
-            log.append("synchronize")
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(cp, "CUDA_AWARE", True)
-    on_gpu, on_cpu = types.SimpleNamespace(is_cuda=True, shape=(2, 3), dtype=torch.float32), torch.zeros(3)
-
-    def events(receive_buffer, t):
-        log.clear()
-        return receive_buffer(t) is t, list(log)
-    former = lambda t: t if not t.is_cuda or cp.CUDA_AWARE else None  # noqa: E731
-    assert events(cp.receive_buffer, on_gpu) == (True, ["record", "synchronize"])
-    assert events(former, on_gpu) == (True, [])
-    assert events(cp.receive_buffer, on_cpu) == (True, [])
+    receive_waits_for_queued_kernels(cp, monkeypatch)
 
 
 # --- --ragged: documents of uneven length, the loss over the valid targets of the whole step ------

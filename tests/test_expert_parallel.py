@@ -5,13 +5,12 @@ import json
 import math
 import os
 import shutil
-import types
 
 import pytest
 import torch
 
 import expert_parallel as ep
-from harness import agree, clean_env, last_json, launch, max_everywhere, sub_comm, world
+from harness import agree, clean_env, last_json, launch, max_everywhere, receive_waits_for_queued_kernels, sub_comm, world
 
 CPU = torch.device("cpu")
 # 12 sequences split over 1, 2, 3 or 4 ranks; 4 experts (6 at N = 3, so that --ep 3 divides them).
@@ -274,25 +273,7 @@ def test_a_receive_into_gpu_memory_waits_alone_for_the_kernels_queued_before(mon
     it) before handing the tensor over, not count on a send staged beside it. On the CPU a stand-in:
     a tensor that says it is on a GPU, torch.cuda.Event a recorder. The plant, the former rule (the
     tensor itself, no event), records nothing and fails; a CPU tensor needs no event."""
-    log = []
-
-    class Event:
-        def record(self, stream=None):
-            log.append("record")
-
-        def synchronize(self):
-            log.append("synchronize")
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(ep, "CUDA_AWARE", True)
-    on_gpu, on_cpu = types.SimpleNamespace(is_cuda=True, shape=(2, 3), dtype=torch.float32), torch.zeros(3)
-
-    def events(receive_buffer, t):
-        log.clear()
-        return receive_buffer(t) is t, list(log)
-    former = lambda t: t if not t.is_cuda or ep.CUDA_AWARE else None  # noqa: E731
-    assert events(ep.receive_buffer, on_gpu) == (True, ["record", "synchronize"])
-    assert events(former, on_gpu) == (True, [])
-    assert events(ep.receive_buffer, on_cpu) == (True, [])
+    receive_waits_for_queued_kernels(ep, monkeypatch)
 
 
 @pytest.mark.mpi

@@ -11,20 +11,18 @@ shared by every assertion about them through module-scoped fixtures: six tiny ru
 four in bf16 (ZeRO stages 1 to 3 and hybrid_parallel.py's ZeRO-1, two ranks each)."""
 import contextlib
 import dataclasses
-import inspect
 import io
 import itertools
 import json
 import subprocess
 import sys
-import textwrap
 import types
 
 import pytest
 import torch
 
 import plan
-from harness import ROOT, SIZES, agree, clean_env, last_json, launch, sub_comm
+from harness import ROOT, SIZES, agree, clean_env, last_json, launch, planted, sub_comm
 
 TINY = ["--hidden", "16", "--heads", "2", "--steps", "3", "--no-check", "--json"]
 # name: (script, ranks, flags, plan's model, plan's grid, global batch)
@@ -127,15 +125,6 @@ def test_bf16_bytes_are_the_files_formulas():
 # Term by term: plan.py's memory and bytes against each file's own formulas (its docstring, and the
 # functions below its divider that the runs print beside their measurements), not only as totals
 # -----------------------------------------------------------------------------
-def planted(monkeypatch, module, name, old, new):
-    """The planted bug: module.name recompiled from its source with `old` replaced by `new` (once)."""
-    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
-    assert source.count(old) == 1, f"the plant needs {old!r} once in {name}"
-    scope = {}
-    exec(compile(source.replace(old, new), module.__file__, "exec"), vars(module), scope)
-    monkeypatch.setattr(module, name, scope[name])
-
-
 ZERO_SHAPES = [(2, 16, 2, 16, 12), (3, 24, 4, 12, 24)]   # layers, hidden, heads, seq-len, batch
 ZERO_CASES = [(shape, n, stage, precision) for shape in ZERO_SHAPES for n in (1, 2, 3, 4, 8) for stage in (1, 2, 3)
               for precision in ("fp32", "bf16") if shape[4] % n == 0]

@@ -5,9 +5,7 @@ computed in float32 (the vocabulary-parallel cross-entropy at T = 1 and 2, F.cro
 import collections
 import contextlib
 import importlib
-import inspect
 import io
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from mpi4py import MPI
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import sharded_data_parallel as zp
-from harness import agree, sub_comm, world
+from harness import agree, planted, sub_comm, world
 
 SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8", "--steps", "3",
          "--no-check", "--precision", "bf16"]
@@ -240,15 +238,6 @@ def test_precision_claims_hold_where_made_and_fail_on_their_planted_opposite(nam
 # -----------------------------------------------------------------------------
 # The vocabulary-parallel cross-entropy (tensor_parallel.py, hybrid_parallel.py) in float32 under bf16
 # -----------------------------------------------------------------------------
-def planted(monkeypatch, module, name, old, new):
-    """The planted bug: module.name recompiled from its source with `old` replaced by `new` (once)."""
-    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
-    assert source.count(old) == 1, f"the plant needs {old!r} once in {name}"
-    scope = {}
-    exec(compile(source.replace(old, new), module.__file__, "exec"), vars(module), scope)
-    monkeypatch.setattr(module, name, scope[name])
-
-
 # |loss - the float64 loss of the same bf16 logits|: measured 2.4e-7 in float32 (T = 1 and 2, both files);
 # planted: 1.1e-2 with the cast removed (hybrid_parallel.py, T = 1), 8.1e-5 with the exponentials in bf16 (T = 1, 2)
 LOSS_TOLERANCE = 1e-5
