@@ -434,7 +434,7 @@ def memory(m, g, tr, batch, stage):
         out = {"weights": 4 * psi + copies, "gradients": 4 * psi, "optimizer": state * psi, "buffers": 0}
         if n > 1:                             # GradBuckets: each bucket's flat copy, sent and held until the end
             bucket = min(4 * psi, 25e6)       # of backward, and one bucket's more (its / N; ZeRO-1: its padding)
-            if g.zero:                        # ShardedSGD: the reduce-scattered slice of the gradients, the
+            if g.zero:                        # ShardedOptimizer: the reduce-scattered slice of the gradients, the
                 padded = hybrid_zero_padded(psi, n)   # parameters' float32 slice that SGD steps, its momentum
                 out["gradients"] += 4 * padded / n
                 out["optimizer"] = (4 + state) * padded / n
