@@ -206,10 +206,9 @@ def limit(precision):
 
 def differences(comm, args, losses, stage, ranks, nudge, norms=()):
     """The check's largest |difference| against one process, over every rank (the gradient norms count
-    as losses, in bf16 too at these sizes, where the script's check leaves them out); and the negative
-    control: each of this rank's parameters moved in turn by `nudge`, the least largest difference
-    that gives (every nudged parameter must be seen)."""
-    ref_losses, ref_model, ref_norms = pp.reference_training(args)
+    as losses); and the negative control: each of this rank's parameters moved in turn by `nudge`, the
+    least largest difference that gives (every nudged parameter must be seen)."""
+    ref_losses, ref_model, ref_norms = pp.reference_training(args, stages=len(ranks))
     refs = [p.detach() for s in range(len(ranks)) if ranks[s] == comm.Get_rank()
             for p in ref_model[pp.stage_slice(args.layers, s, len(ranks))].parameters()]
     mine = [p.detach() for p in stage.parameters()]
@@ -360,7 +359,7 @@ def test_gradients_scaled_by_one_over_n_fail_the_check(precision):
             args = pp.parse_args(TINY + ["--micro-batches", "3", "--precision", precision], 3)
             losses, stage, _, ranks, _, _ = train_pipeline(args, comm, GradientsScaled)
             diff, _ = differences(comm, args, losses, stage, ranks, 0.0)
-            assert diff > limit(precision), diff
+            assert diff > 5 * limit(precision), diff  # measured: 1.2e-1 in bf16
 
 
 # The recipe: AdamW, a cosine after one step of warm-up, the clip below the norms (2 to 3 here) so that it acts.
