@@ -96,10 +96,9 @@ STRATEGY = "pipeline_parallel"
 # the order of the float32 sums; over the default 60 steps that left at most 2.4e-6 in losses and
 # parameters (M = 2, 8, 16, both schedules, seeds 0-2): an eightfold margin.
 TOLERANCE = 2e-5
-# bf16, both sides under autocast and rounding alike (the same micro-batches; the stream and its gradient
-# rounded to bf16 at each stage boundary): SGD, the default 60 steps, every schedule, recompute, N = 1 to 4:
-# 2.9e-6 at most; the recipe (AdamW 1e-3, clip, cosine), 60 steps: 4.4e-3 to 1.3e-2, and 5.5e-3 at N = 1,
-# where nothing is split (fp32, N = 3: 1.1e-6): AdamW's steps part in bf16, not the stages. Gradients / N: 1.2e-1.
+# bf16, both sides autocast and rounding alike (the same micro-batches, the stream rounded at each boundary):
+# SGD, 60 default steps, any schedule, N = 1 to 4: 2.9e-6 at most; the recipe (AdamW 1e-3), 60 steps: 4.4e-3
+# to 1.3e-2, 5.5e-3 at N = 1 (fp32: 1.1e-6): AdamW's steps part in bf16, not the stages. Gradients / N: 1.2e-1.
 TOLERANCE_BF16 = 2e-2
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB, IGNORE = 128, -100  # the ASCII codes; F.cross_entropy's ignore_index, for targets past a document's end
