@@ -54,6 +54,8 @@ kept (Korthikanti et al.); full: each block from its input alone, its f̄ (ḡ a
 The recipe (--optimizer adamw, --clip-grad, --lr-schedule cosine, --warmup-steps; nanoGPT's): the
 lr is the step's alone; the clip needs the whole gradient's norm, each parameter counted once: the
 slices' squares from every rank, the replicas' from rank 0 alone, one allreduce (global_grad_norm).
+--ragged (documents of uneven length): the loss summed over the targets before each document's end,
+divided by their count: a local count, as every rank holds the same targets (no collective).
 
 Communication per step (L blocks, B sequences of T characters, hidden h, A = 4BTh bytes, e = 4
 bytes an element in float32, 2 in bf16):
@@ -78,7 +80,6 @@ a fast link (Megatron: within a node, on NVLink; data or pipeline parallelism ac
 sequence parallelism, for the same bytes, activations too.
 
 The text: this Python's own argparse.py, textwrap.py and shlex.py, bytes >= 128 replaced by '?'.
-
 Run:  mpirun -np 4 python tensor_parallel.py [--sequence-parallel [--regather]]    (--help: flags)
 """
 import argparse, collections, contextlib, ctypes, errno, functools, hashlib  # noqa: E401
@@ -103,8 +104,8 @@ TOLERANCE = 2e-5
 # bf16 (both sides autocast) at N = 1 to 4: 5e-4 to 9e-4 in the tests' 4 steps, any mode, recompute;
 # 4.3e-3 to 8.5e-3 after 50 default steps, batch 8 (most: N = 4, cut). Gradients / N: 5.6e-2.
 TOLERANCE_BF16 = 2e-2
-POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
-VOCAB = 128  # the ASCII codes
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls, leaving the core to ranks that compute
+VOCAB, IGNORE = 128, -100  # the ASCII codes; --ragged's target past a document's end (ignore_index)
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 PROMPT, TEMPERATURE = "def ", 0.8  # how the sample at the end starts, and how adventurous it is
 
@@ -112,8 +113,7 @@ PROMPT, TEMPERATURE = "def ", 0.8  # how the sample at the end starts, and how a
 # -----------------------------------------------------------------------------
 # The strategy: f, f̄ (g, ḡ), the column- and row-parallel layers, the vocabulary-parallel ones
 # -----------------------------------------------------------------------------
-# MPI reads GPU memory if CUDA-aware (setup() finds out), else a host copy; on the CPU: nothing.
-CUDA_AWARE = False
+CUDA_AWARE = False  # MPI reads GPU memory if CUDA-aware (setup() finds out), else a host copy
 
 
 def mpi_buffer(t, nonblocking=False):
@@ -139,9 +139,7 @@ def receive_buffer(t, nonblocking=False):
 
 def from_mpi(t, buffer):
     """Bring what MPI wrote into a host copy back to t; returns t."""
-    if buffer is not t:
-        t.copy_(buffer)
-    return t
+    return t if buffer is t else t.copy_(buffer)
 
 
 def allreduce(t, comm, op=MPI.SUM):
@@ -230,8 +228,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        saved, weight = ctx.saved_tensors
-        group = ctx.group
+        (saved, weight), group = ctx.saved_tensors, ctx.group
         whole = all_gather_sequence(saved, group.comm) if group.regather else saved
         partial = dy.matmul(weight.to(dy.dtype)).float()  # its columns' share; summed in fp32
         exchange = start_input_gradient_sum(partial, group) if group.overlap else None  # first
@@ -310,8 +307,8 @@ class PositionsOfTheSlice(nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over tokens from each rank's slice of the logits: three allreduces of
-    B x T numbers forward (max, target logit, sum of exponentials), none backward."""
+    """Mean cross-entropy over the valid targets (not IGNORE) from each rank's slice of the logits:
+    three allreduces of B x T numbers forward (max, target logit, sum of exps), none backward."""
 
     @staticmethod
     def forward(ctx, logits, target, comm):
@@ -327,14 +324,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         allreduce(picked, comm)  # the target's logit: from its one owner
         exps = shifted.exp()
         total = allreduce(exps.sum(dim=-1), comm)
-        ctx.save_for_backward(exps / total.unsqueeze(-1), local, owned)
-        return (total.log() - picked).mean()
+        valid = target != IGNORE  # in no rank's range, no target logit: masked, loss and gradient 0
+        ctx.count = valid.sum()  # local, no collective: every rank holds the same targets
+        ctx.save_for_backward(exps / total.unsqueeze(-1) * valid.unsqueeze(-1), local, owned)
+        return ((total.log() - picked) * valid).sum() / ctx.count
 
     @staticmethod
     def backward(ctx, dloss):
         softmax, local, owned = ctx.saved_tensors  # d loss / d logit = softmax - one-hot(target)
         grad = softmax.scatter_add(-1, local.unsqueeze(-1), -owned.unsqueeze(-1).to(softmax.dtype))
-        return grad * (dloss / owned.numel()), None, None
+        return grad * (dloss / ctx.count), None, None
 
 
 def shard_block(block, group):
@@ -496,13 +495,17 @@ def load_text():
     return torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long)
 
 
-def make_batch(seed, step, size, seq_len):
-    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+def make_batch(seed, step, size, seq_len, ragged=False):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone.
+    ragged: each sequence a document of 1 to T characters; past it, targets IGNORE and inputs 0."""
     data = load_text()
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
     x = torch.stack([data[o:o + seq_len] for o in starts])
     y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    if ragged:  # drawn after the starts: without it, the batch is what it always was
+        past = torch.arange(seq_len) >= torch.randint(1, seq_len + 1, (size, 1), generator=gen)
+        x, y = x.masked_fill(past, 0), y.masked_fill(past, IGNORE)
     return x, y
 
 
@@ -526,7 +529,7 @@ def train(args, comm, device, model, optimizer, group, meter, past=((), ())):
     norm_comm = group.comm if args.clip_grad else comm  # no clip: the norm is a report, not counted
     for step in range(len(losses), args.steps):
         start = time.perf_counter()
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
         for settings in optimizer.param_groups:
             settings["lr"] = learning_rate(args, step)
         loss, norm = train_step(model, optimizer, x, y, group, meter, args.clip_grad, norm_comm)
@@ -606,7 +609,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # build_model (the network; shard_model swaps its linears and token embedding for the parallel
 # layers, and Block.forward on a rank's 1/N of the heads must add up to all of them, which is
 # what is checked), make_batch, make_optimizer (torch's SGD or AdamW: the recipe's settings stand on
-# both sides). Its own: nn.Linear, nn.Embedding, F.cross_entropy on whole logits, the schedule
+# both sides). Its own: nn.Linear, nn.Embedding, F.cross_entropy on whole logits (ignore_index=IGNORE), the schedule
 # written out step by step (not learning_rate: a bug there shows), the norm and the clip of
 # torch.nn.utils.clip_grad_norm_ (which returns the norm); never a parallel layer at size 1, f, f̄,
 # g, ḡ, the vocabulary-parallel loss or global_grad_norm. join_slices undoes the cut with its own
@@ -621,9 +624,9 @@ def reference_training(args, device=torch.device("cpu")):
         1 + math.cos(math.pi * k / max(1, args.steps - warmup))) for k in range(args.steps - warmup)]
     schedule = [lr * (k + 1) / warmup for k in range(warmup)] + decay  # written out, not learning_rate's
     for step in range(args.steps):
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad()
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
@@ -806,7 +809,7 @@ def print_header(comm, args, run, model, full_params, resumed):
            f"this rank holds {sum(p.numel() for p in model.parameters()):,}",
            f"each rank: {args.heads // world_size} of {args.heads} heads, {4 * h // world_size} of {4 * h} "
            f"MLP features, {padded // world_size} of {padded} vocabulary rows | batch {args.batch_size} x "
-           f"{args.seq_len} characters, {stream} | input gradients exchanged "
+           f"{args.seq_len} characters{f' (--ragged: documents of 1 to {args.seq_len}, the loss a mean over their targets)' if args.ragged else ''}, {stream} | input gradients exchanged "
            f"{'after the weight gradient (--no-overlap)' if args.no_overlap else 'posted before the weight gradient, waited after'}",
            f"text: {' + '.join(s + '.py' for s in SOURCES)} of Python {sys.version.split()[0]} "
            f"({len(load_text()):,} characters) | vocabulary {VOCAB} ASCII codes"
@@ -845,7 +848,7 @@ def report(comm, args, run, model, full_params, losses, norms, records, traffic,
         "collectives_formula": formula_calls, "comm_bytes_formula": formula_bytes, "collectives_by_name": calls,
         "ring_bytes_per_rank": ring, "activation_bytes_per_rank": saved, "activation_bytes_formula": formulas[mode],
         "activation_bytes_formula_by_mode": formulas, "overlap": overlap, "sequence_parallel": args.sequence_parallel,
-        "regather": args.regather, "parameters": full_params, "padded_vocab": padded_vocab(world_size),
+        "regather": args.regather, "ragged": args.ragged, "parameters": full_params, "padded_vocab": padded_vocab(world_size),
         "parameters_this_rank": sum(p.numel() for p in model.parameters()), "sample": sample, "grad_norms": norms})
 
 def parse_args(argv, world_size):
@@ -861,8 +864,8 @@ def parse_args(argv, world_size):
                    help="with --sequence-parallel: keep the input's slice, gather it again in backward")
     p.add_argument("--no-overlap", action="store_true",
                    help="baseline: exchange the input gradient after the weight gradient, not during it")
-    p.add_argument("--sample-chars", type=COUNT_OR_0, default=120,
-                   help="characters of text the trained model writes at the end (0: none)")
+    p.add_argument("--sample-chars", type=COUNT_OR_0, default=120, help="characters of text the trained model writes at the end (0: none)")
+    p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                    help="SGD with momentum 0.9, or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
     p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0,
