@@ -1,11 +1,11 @@
 r"""Expert parallelism over MPI: a mixture of experts whose experts are spread over the ranks.
 
-What is split: the experts. The MLP of every block is a mixture of E expert MLPs (--experts), and
-a router sends each token to k of them (--top-k 1 or 2), so the parameters grow with E while a
-token's compute stays that of k MLPs (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch,
-Fedus et al. 2021). A batch is B sequences (--batch-size) of T characters; every one of the N
-ranks is a data-parallel rank with its own B/N of them. --ep P groups P consecutive ranks that
-share the experts out, E/P each, and the N/P groups are replicas of one another. The rest, the
+What is split: the experts. The MLP of every block is a mixture of E expert MLPs (--experts), and a
+router sends each token to k of them (--top-k 1 or 2), so the parameters grow with E while a token's
+compute stays that of k MLPs (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch, Fedus et
+al. 2021). A batch is B sequences (--batch-size) of T characters of Python's own source; every one
+of the N ranks is a data-parallel rank with its own B/N of them. --ep P groups P consecutive ranks
+that share the experts out, E/P each, and the N/P groups are replicas of one another. The rest, the
 dense parameters (attention, embeddings, LayerNorms, routers), is whole on every rank.
 
   N = 4 ranks, --ep 2, E = 4:     group 0                     group 1
@@ -13,6 +13,8 @@ dense parameters (attention, embeddings, LayerNorms, routers), is whole on every
   tokens                    x0 (B/N)     x1             x2           x3
   experts held              E0 E1        E2 E3          E0 E1        E2 E3
 
+  --ragged, before the forward: Allreduce of the count of valid targets, all N ranks (valid_targets);
+    a rank's loss: the sum over its valid targets / that count, so the gradient sums below are / 1
   one MoE layer, on every rank of a group:
     router (float32), top-k  ->  the (token, choice) pairs sorted by expert
     Alltoall    the counts: how many rows go to each expert of each rank of the group
@@ -51,6 +53,7 @@ bytes in bf16 else 4, r = 6 with --recompute full (the forward's two again) else
   Allreduce of the dense gradients (D parameters): 4 D bytes over N ranks; of the expert gradients
     (X parameters an expert): 4 (E/P) L X bytes over N/P ranks. A rank holds (E/P) L X + D in all.
   Allreduce of the norm's sum of squares: 4 bytes over P ranks (with --clip-grad; else a report)
+  Allreduce of the count of valid targets: 8 bytes (float64) over N ranks (with --ragged)
 Activations (saved for backward in one forward, each storage once, weights and their bf16 copies
 aside), mean per rank; b = B/N, s = T, a heads, m = k n - d rows a rank's experts get on average,
 float32 parts 4 bytes whatever p, indices 8:
@@ -60,12 +63,10 @@ float32 parts 4 bytes whatever p, indices 8:
   selective: none less s^2 + 4as^2b [+ 2as^2b]; full: 4nh (its input). Beyond the blocks: 8bs + 8s
     + 4nh + 16n + pnh (indices, final LayerNorm, targets, head's input) + 4nV + 4 (loss, V = 128)
 
-When to choose it: the parameters are mostly experts, too many to replicate on every device, and the
-ranks of a group have all-to-all bandwidth (NVLink, or a fabric built for it): every MoE layer waits
-for two exchanges forward and two backward, each touching every rank of the group. --ep 1 is data
-parallelism with every expert on every rank (the baseline for --ep P).
+When to choose it: the parameters are mostly experts, too many for every device, and a group's ranks
+have all-to-all bandwidth (NVLink, or a fabric built for it): each MoE layer waits on two exchanges
+each way across the group. --ep 1 (data parallelism, every expert on every rank) is the baseline.
 
-The text: the standard library's argparse.py, textwrap.py and shlex.py, bytes >= 128 as '?'.
 Run:  mpirun -np 4 python expert_parallel.py            (add --help for the flags)
 """
 import argparse
@@ -125,13 +126,13 @@ def route(tokens, router, top_k):
     ranked, order = probs.sort(dim=-1, descending=True, stable=True)
     return probs, order[:, :top_k], ranked[:, :top_k], (ranked[:, top_k - 1] - ranked[:, top_k]).detach().min()
 
-
 def load_balancing_loss(probs, choice, num_experts, coef, comm):
     """Switch's alpha E sum_i f_i P_i, f the shares of all ranks' (token, choice) pairs (one
     Allreduce of E counts: a mean of the ranks' products f_i P_i is not the product of the means), P
-    from this rank's tokens (the gradient allreduce takes its mean). Balanced routing gives alpha,
-    whatever k; GShard takes (1/E) sum_i f_i P_i, f of first choices; Mixtral's (as Hugging Face's
-    transformers computes it) is k times this. Returns the loss and all ranks' counts (the load)."""
+    from this rank's tokens (train_step takes its mean over the ranks). Every token counts, padding
+    too (--ragged): it passes through the router, in --check's one process alike. Balanced routing
+    gives alpha, whatever k; GShard takes (1/E) sum_i f_i P_i, f of first choices; Mixtral's (as
+    Hugging Face's transformers computes it) is k times this. Returns the loss, all ranks' counts."""
     counts = torch.bincount(choice.reshape(-1), minlength=num_experts)
     if comm is not None:
         buffer = mpi_buffer(counts)
@@ -140,14 +141,12 @@ def load_balancing_loss(probs, choice, num_experts, coef, comm):
     share = counts / counts.sum()  # f_i: no gradient flows through a count
     return coef * num_experts * (share * probs.mean(dim=0)).sum(), counts
 
-
 def expert_capacity(capacity_factor, top_k, n, num_experts):
     """ceil(C k n / E) pairs per expert from one rank's n tokens, exactly (C as the decimal the user
     wrote: 1.1 x 90 / 3 is 33, in floats 33.00000000000001); None (dropless) without one."""
     if capacity_factor is None:
         return None
     return math.ceil(fractions.Fraction(repr(capacity_factor)) * top_k * n / num_experts)
-
 
 def within_capacity(choice, num_experts, capacity):
     """Which (token, choice) pairs their expert takes: at most `capacity`, the first in token order
@@ -158,7 +157,6 @@ def within_capacity(choice, num_experts, capacity):
     before = F.one_hot(pairs, num_experts).cumsum(0).gather(1, pairs.unsqueeze(1)).squeeze(1) - 1
     return (before < capacity).view_as(choice)  # before: the earlier pairs for the same expert
 
-
 def all_to_all(rows, send_rows, recv_rows, comm):
     """MPI_Alltoallv of the rows of a matrix: send_rows[j] consecutive rows to rank j, in rank
     order; recv_rows[i] rows from rank i, in rank order. In bytes: MPI has no bfloat16."""
@@ -168,7 +166,6 @@ def all_to_all(rows, send_rows, recv_rows, comm):
     offsets = [[sum(c[:j]) for j in range(len(c))] for c in counts]
     comm.Alltoallv([send, (counts[0], offsets[0]), MPI.BYTE], [recv, (counts[1], offsets[1]), MPI.BYTE])
     return from_mpi(out, recv)
-
 
 class AllToAll(torch.autograd.Function):
     """The exchange of rows, and its backward: the same exchange reversed, each row's gradient
@@ -182,7 +179,6 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return all_to_all(grad, *ctx.reverse), None, None, None
-
 
 def dispatch_and_run(tokens, choice, keep, experts, comm):
     """Each kept (token, choice) pair's row through its expert, on whichever rank of comm holds it.
@@ -217,24 +213,23 @@ def dispatch_and_run(tokens, choice, keep, experts, comm):
     out = AllToAll.apply(out[by_expert.argsort()], recv_rows, send_rows, comm)  # combine
     return out.new_zeros(choice.numel(), tokens.size(1)).index_put((pairs,), out)  # (index_copy would save out)
 
-
-def average_gradients(model, comm, replica_comm):
+def average_gradients(model, comm, replica_comm, divisor):
     """After backward: the dense gradients summed over all N ranks, each expert's over the N/P ranks
-    that hold it, both / N. Why N, not N/P: the step's loss is the mean of the N ranks' losses; with
-    N = 4, P = 2, expert E0's copies on ranks 0 and 2 get the gradients of ranks 0 and 1's tokens
-    and of 2 and 3's: their sum holds all 4 losses' terms, the mean's gradient is sum / 4, while
-    / (N/P) would step the experts P times too far, with no error. Float32 in bf16 too (Megatron's
-    default): MPI has no bfloat16 arithmetic (MPICH refuses MPI.SUM on it); bf16 gradients would
-    halve the bytes and their memory, and lose small contributions summed into large ones."""
+    that hold it, both / divisor: N, or 1 with --ragged (each rank's loss its share of the step's).
+    Why N, not N/P: the step's loss is the mean of the N ranks' losses; with N = 4, P = 2, expert
+    E0's copies on ranks 0 and 2 get the gradients of ranks 0 and 1's tokens and of 2 and 3's: their
+    sum holds all 4 losses' terms, the mean's gradient is sum / 4, while / (N/P) would step the
+    experts P times too far, with no error. Float32 in bf16 too (Megatron's default): MPI has no
+    bfloat16 arithmetic (MPICH refuses MPI.SUM on it); bf16 gradients would halve the bytes and
+    their memory, and lose small contributions summed into large ones."""
     experts = expert_parameters(model)
     dense = [p for p in model.parameters() if all(p is not e for e in experts)]
     for params, over in ((dense, comm), (experts, replica_comm)):
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # float32, in bf16 too: see above
         buffer = mpi_buffer(flat)
         over.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-        for p, grad in zip(params, (from_mpi(flat, buffer) / comm.Get_size()).split([p.numel() for p in params])):
+        for p, grad in zip(params, (from_mpi(flat, buffer) / divisor).split([p.numel() for p in params])):
             p.grad.copy_(grad.view_as(p))
-
 
 def global_grad_norm(model, ep_comm):
     """After average_gradients: the whole model's gradient norm, each parameter once. A group's P
@@ -249,13 +244,11 @@ def global_grad_norm(model, ep_comm):
     ep_comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
     return from_mpi(squares, buffer).sqrt()[0]
 
-
 def expert_groups(comm, ep):
     """Two splits of comm: the ep consecutive ranks that share the experts out (the tokens'
     exchange), and the N/ep ranks, one a group, that hold the same experts (their gradients)."""
     rank = comm.Get_rank()
     return comm.Split(rank // ep, rank), comm.Split(rank % ep, rank)
-
 
 def expert_parallel(model, ep_comm, stats_comm):
     """Keep this rank's E/P experts of every MoE layer, in place (named as in the whole model);
@@ -267,16 +260,28 @@ def expert_parallel(model, ep_comm, stats_comm):
         moe.ep_comm, moe.stats_comm = ep_comm, stats_comm
     return model
 
+def valid_targets(y, comm):
+    """--ragged: the step's targets that are not IGNORE, over the N ranks (each holds other
+    sequences): one Allreduce of a number, before the forward. A per-rank mean, averaged, would
+    weigh each target of a rank holding fewer valid targets more: a gradient no process computes."""
+    count = torch.tensor([(y != IGNORE).sum().item()], dtype=torch.float64)
+    comm.Allreduce(MPI.IN_PLACE, count, op=MPI.SUM)  # host memory
+    return count.item()
 
-def train_step(model, optimizer, x, y, comm, replica_comm, norm_comm, lr, max_norm, timeline, meter, bf16):
+def train_step(model, optimizer, x, y, comm, replica_comm, norm_comm, lr, max_norm, timeline, meter, bf16, count):
     """One step on this rank's slice of the batch (bf16: autocast, see the docstring), the forward
-    measured by meter, gradients clipped to max_norm (0: not), at lr. Returns this rank's loss, norm."""
+    measured by meter, gradients clipped to max_norm (0: not), at lr; count: the step's valid
+    targets (--ragged; else None). Returns this rank's loss (--ragged: its share), its norm."""
     optimizer.zero_grad(set_to_none=False)
     with timeline.span("compute", "forward"), meter, torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
-        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + sum(m.aux for m in moe_layers(model))
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE,
+                               reduction="mean" if count is None else "sum")
+        aux = sum(m.aux for m in moe_layers(model))  # the blocks' load-balancing losses
+        # --ragged: its share of the step's loss, aux / N (the ranks' mean: the gradients' sums are not / N)
+        loss = loss + aux if count is None else loss / count + aux / comm.Get_size()
     with timeline.span("compute", "backward"):
         loss.backward()
-    average_gradients(model, comm, replica_comm)
+    average_gradients(model, comm, replica_comm, comm.Get_size() if count is None else 1)
     with timeline.span("compute", "optimizer"):
         norm = global_grad_norm(model, norm_comm)
         scale = max_norm / (norm + 1e-6) if max_norm else 1.0  # clip_grad_norm_'s rule, in float32
@@ -295,7 +300,6 @@ def train_step(model, optimizer, x, y, comm, replica_comm, norm_comm, lr, max_no
 # setup()). Otherwise a tensor on a GPU travels through a host copy. On the CPU these do nothing.
 CUDA_AWARE = False
 
-
 def mpi_buffer(t):
     """The buffer to hand MPI for t: t itself, or a pinned host copy (every call here blocks)."""
     if not t.is_cuda:
@@ -307,14 +311,12 @@ def mpi_buffer(t):
         return t
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)  # waits for t's kernels
 
-
 def receive_buffer(t):
     """Where a receive for t lands: an empty pinned host buffer (nothing to copy in), or t itself
     once kernels queued before are done: they may still read it (memory the allocator reuses)."""
     if t.is_cuda and not CUDA_AWARE:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return mpi_buffer(t)  # on a GPU, t after an event: MPI may write it from the moment it has it
-
 
 def from_mpi(t, buffer):
     """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
@@ -333,7 +335,6 @@ class Expert(nn.Module):
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
-
 
 class MoE(nn.Module):
     """A router and E experts: y = sum over a token's top-k experts of gate x expert(x), added in
@@ -366,7 +367,6 @@ class MoE(nn.Module):
         self.choice, self.keep, self.gap = choice, keep, gap  # for the report and --check
         return y.view_as(x), aux
 
-
 def tally(block, inputs, output):
     """After a block's forward (once a step: a recomputation reruns Block.body alone), for the
     report and --check: the pairs dropped, the smallest top-k gap, the first load, the choices."""
@@ -376,7 +376,6 @@ def tally(block, inputs, output):
     if moe.written is not None:
         moe.written.append(moe.choice)
 
-
 def attention_core(q, k, v):
     """Scores, causal mask, softmax (float32), times V: the part whose activations grow with the
     sequence squared, which --recompute selective runs again in backward from q, k, v."""
@@ -384,14 +383,12 @@ def attention_core(q, k, v):
     future = torch.ones(q.size(2), q.size(2), dtype=torch.bool, device=q.device).triu(1)
     return scores.float().masked_fill(future, float("-inf")).softmax(dim=-1) @ v
 
-
 def attend(qkv, heads, selective):
     """Causal self-attention of `heads` heads, from queries, keys and values side by side."""
     b, t, c = qkv.size(0), qkv.size(1), qkv.size(2) // 3
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
     out = checkpoint(attention_core, q, k, v, use_reentrant=True) if selective else attention_core(q, k, v)
     return out.transpose(1, 2).reshape(b, t, c)
-
 
 class Block(nn.Module):
     """Pre-LayerNorm decoder block whose MLP is a mixture of experts. Recomputation (--recompute):
@@ -417,7 +414,6 @@ class Block(nn.Module):
         y, aux = self.moe(self.ln2(x))
         return x + y, aux
 
-
 class GPT(nn.Module):
     """Token and position embeddings, --layers blocks, final LayerNorm, untied head."""
 
@@ -432,7 +428,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out(self.norm(x))
-
 
 def build_model(args):
     """The whole model from the seed on the CPU, the same at every world size: GPT-2's init, but
@@ -451,15 +446,12 @@ def build_model(args):
     # first step, 1.03 to 1.11 on the last (the default run).
     return model
 
-
 def moe_layers(model):
     return [block.moe for block in model.blocks]
-
 
 def expert_parameters(model):
     """This rank's expert parameters: layer by layer, expert by expert."""
     return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
-
 
 def make_optimizer(model, args):
     """SGD with momentum 0.9, or AdamW (betas 0.9 0.95, weight decay 0.1 on every parameter, float32
@@ -471,7 +463,6 @@ def make_optimizer(model, args):
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
-
 def expert_parallel_model(args, ep_comm, stats_comm, device):
     """The whole model from the seed on the CPU; each rank keeps its experts and moves only its
     part to its device. Returns it and its optimizer."""
@@ -480,7 +471,6 @@ def expert_parallel_model(args, ep_comm, stats_comm, device):
         block.recompute, block.moe.written = args.recompute, [] if args.check else None
         block.register_forward_hook(tally)
     return model, make_optimizer(model, args)
-
 
 def checksums(model):
     """Bitwise fingerprints of the dense parameters and of this rank's experts."""
@@ -493,7 +483,7 @@ def checksums(model):
 # The data: characters of Python's own source, batches a function of (seed, step)
 # -----------------------------------------------------------------------------
 _TEXT = []
-
+IGNORE = -100  # --ragged: the target past a document's end (F.cross_entropy's ignore_index)
 
 def load_text():
     """argparse.py, textwrap.py and shlex.py from this Python, bytes >= 128 replaced by '?'."""
@@ -502,14 +492,17 @@ def load_text():
         _TEXT.append(torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long))
     return _TEXT[0]
 
-
-def make_batch(seed, step, size, seq_len):
-    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+def make_batch(seed, step, size, seq_len, ragged=False):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone.
+    ragged: a document of 1 to T characters a sequence; past it, targets IGNORE and inputs 0."""
     data = load_text()
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
     x = torch.stack([data[o:o + seq_len] for o in starts])
     y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    if ragged:  # drawn after the starts: without it, the batch is what it always was
+        past = torch.arange(seq_len) >= torch.randint(1, seq_len + 1, (size, 1), generator=gen)
+        x, y = x.masked_fill(past, 0), y.masked_fill(past, IGNORE)
     return x, y
 
 
@@ -525,7 +518,6 @@ def learning_rate(args, step):
     cosine = args.lr / 10 + 0.5 * (args.lr - args.lr / 10) * (1 + math.cos(math.pi * done))
     return args.lr if args.lr_schedule == "constant" else cosine
 
-
 def train(args, comm, device, model, optimizer, counted, timeline, meter, past=(), world_sizes=(), past_norms=()):
     """The steps after the `past` ones (global losses, world sizes, norms: from a checkpoint), each
     forward's saved activations measured by meter. Returns its new losses, norms, timings."""
@@ -535,26 +527,25 @@ def train(args, comm, device, model, optimizer, counted, timeline, meter, past=(
     losses, norms, records = [], [], []
     for step in range(len(past), args.steps):
         start = time.perf_counter()
-        batch = make_batch(args.seed, step, args.batch_size, args.seq_len)
+        batch = make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged)
         x, y = (t[rank * per:(rank + 1) * per].to(device, copy=True) for t in batch)  # a view would keep the batch
+        count = valid_targets(y, counted["count"]) if args.ragged else None  # None: all valid
         loss, norm = train_step(model, optimizer, x, y, counted["dense"], counted["experts"], norm_comm,
-                                learning_rate(args, step), args.clip_grad, timeline, meter, args.precision == "bf16")
+                                learning_rate(args, step), args.clip_grad, timeline, meter,
+                                args.precision == "bf16", count)
         losses.append(loss), norms.append(norm), records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
-            print_progress(comm, args, step, mean_loss, records[-1], norm)
+            print_progress(comm, args, step, global_losses(comm, losses[-1:], args.ragged)[0], records[-1], norm)
         checkpoint_if_due(comm, args, step, lambda: expert_parallel_shard(
-            comm, args, model, optimizer, list(past) + global_losses(comm, losses),
+            comm, args, model, optimizer, list(past) + global_losses(comm, losses, args.ragged),
             list(world_sizes) + [world_size] * len(losses), list(past_norms) + norms), model_config(args))
     return losses, norms, records
 
-
-def global_losses(comm, losses):
-    """Every rank's loss is that of its slice; the step's loss is their mean."""
+def global_losses(comm, losses, ragged=False):
+    """Every rank's loss is that of its slice; the step's is their mean (--ragged: their sum)."""
     total = torch.tensor(losses, dtype=torch.float64)
-    comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-    return (total / comm.Get_size()).tolist()
-
+    comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)  # a record, not counted
+    return (total if ragged else total / comm.Get_size()).tolist()
 
 def main(argv=None, comm=MPI.COMM_WORLD):
     """Parse, set up, train, check, report. Returns the exit status of this rank."""
@@ -563,9 +554,9 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         check_paths(comm, args)
         run = setup(comm, args)
         ep_comm, replica_comm = expert_groups(comm, args.ep)
-        counted = {"all-to-all": CountedComm(ep_comm, run.timeline), "router": CountedComm(comm, run.timeline),
-                   "dense": CountedComm(comm, run.timeline), "experts": CountedComm(replica_comm, run.timeline),
-                   "norm": CountedComm(ep_comm, run.timeline)}
+        over = {"all-to-all": ep_comm, "router": comm, "dense": comm, "experts": replica_comm, "norm": ep_comm,
+                "count": comm}  # each kind of exchange, counted apart
+        counted = {kind: CountedComm(on, run.timeline) for kind, on in over.items()}
         model, optimizer = expert_parallel_model(args, counted["all-to-all"], counted["router"], run.device)
         past, world_sizes, past_norms, resumed = [], [], [], None
         if args.resume:  # this rank's blocks on this grid, whatever grid wrote them
@@ -580,7 +571,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
-    losses, norms = past + global_losses(comm, losses), past_norms + norms
+    losses, norms = past + global_losses(comm, losses, args.ragged), past_norms + norms
     dense, experts = checksums(model)
     if len(set(comm.allgather(dense))) != 1 or len(set(replica_comm.allgather(experts))) != 1:
         raise RuntimeError("replicas diverged: the dense parameters or an expert's copies differ")
@@ -601,7 +592,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
 # What the reference shares with the ranks: build_model (the GPT, its attention and Expert MLPs, the
-# weights from the seed), make_batch and make_optimizer (torch's SGD or AdamW). Harmless: the ranks hold
+# weights from the seed), make_batch (with --ragged, its IGNORE targets: the loss is its own
+# F.cross_entropy over them) and make_optimizer (torch's SGD or AdamW). Harmless: the ranks hold
 # these whole or as copies of the same modules, with no exchange in them. The mixture itself (routing,
 # capacity, the load-balancing loss, the combine) it writes apart in reference_moe, so that a bug on
 # either side shows: its own top k by argmax, capacity counted pair by pair, every expert run on every
@@ -622,10 +614,10 @@ def reference_training(args, world_sizes, choices=None, device=torch.device("cpu
     for step in range(args.steps):
         for moe in moe_layers(model):
             moe.slices = world_sizes[step]
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
         optimizer.zero_grad(set_to_none=False)
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):  # as the ranks
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + sum(m.aux for m in moe_layers(model))
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):  # as the ranks; the mean over valid targets
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE) + sum(m.aux for m in moe_layers(model))
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
         cosine = args.lr * (0.55 + 0.45 * math.cos(math.pi * max(0, step - W) / max(1, args.steps - W)))  # lr/10 up to lr
@@ -731,8 +723,8 @@ def print_header(comm, args, run, model, resumed):
            f"top-{args.top_k}: {dense + L * E * one:,} parameters, {dense:,} of them dense, {one:,} an expert",
            f"--ep {P}: {N // P} group(s) of {P} consecutive ranks, {E // P} expert(s) of every block on each rank (rank j of a "
            f"group: j x {E // P} to j x {E // P} + {E // P - 1}), each expert on {N // P} rank(s)",
-           f"batch {B} x {T} characters, {B // N} sequences per rank | " + ("dropless" if C is None else f"capacity factor {C:g}: "
-           f"at most {expert_capacity(C, args.top_k, B // N * T, E)} pairs per expert from each rank")
+           f"batch {B} x {T} characters{f' (--ragged: documents of 1 to {T})' * args.ragged}, {B // N} sequences per rank | "
+           + ("dropless" if C is None else f"capacity factor {C:g}: at most {expert_capacity(C, args.top_k, B // N * T, E)} pairs per expert from each rank")
            + f" | {args.optimizer}, lr {args.lr:g} {args.lr_schedule} after {args.warmup_steps} warm-up step(s), gradient norm "
            + (f"clipped to {args.clip_grad:g}" if args.clip_grad else "not clipped")
            + f" | load-balancing coefficient {args.aux_loss_coef:g} | text: {' + '.join(s + '.py' for s in SOURCES)} of Python "
@@ -747,12 +739,12 @@ def report(comm, args, run, model, losses, norms, records, counted, diff, refere
     dropped = comm.allreduce(int(sum(m.dropped for m in moes)))  # pairs, all ranks, all layers and steps
     gap, calls = comm.allreduce(float(min(m.min_gap for m in moes)), op=MPI.MIN), sum(sum(c.calls.values()) for c in counted.values()) / steps_run
     mine = {"Alltoallv": counted["all-to-all"].bytes["Alltoallv"], "Alltoall": counted["all-to-all"].bytes["Alltoall"],
-            **{kind: sum(counted[kind].bytes.values()) for kind in ("router", "dense", "experts", "norm")}}
+            **{kind: sum(counted[kind].bytes.values()) for kind in ("router", "dense", "experts", "norm", "count")}}
     every = comm.allgather({kind: b / steps_run for kind, b in mine.items()})
     measured, per_rank = {kind: sum(r[kind] for r in every) / world_size for kind in mine}, [sum(r.values()) for r in every]
-    r, twice, clip = 6 if full else 4, 1 + full, int(args.clip_grad > 0)  # full: the forward's exchanges again in backward
+    r, twice, clip, ragged = 6 if full else 4, 1 + full, int(args.clip_grad > 0), int(args.ragged)  # full: the forward's exchanges again in backward
     formula = {"Alltoallv": r * (L * k * n - dropped / (world_size * steps_run)) * h * p, "Alltoall": twice * L * E * 8,
-               "router": twice * L * E * 8, "dense": 4 * dense, "experts": 4 * (E // P) * L * one, "norm": 4 * clip}
+               "router": twice * L * E * 8, "dense": 4 * dense, "experts": 4 * (E // P) * L * one, "norm": 4 * clip, "count": 8 * ragged}
     saved, kept = comm.allgather(activations), comm.allreduce(sum(int(m.keep.sum()) for m in moes)) / world_size
     held, b, s, a = comm.allgather(sum(p.numel() * p.element_size() for p in experts)), B // world_size, T, args.heads
     block = 12 * n * h + 16 * n + 5 * p * n * h + 16 * n * E + 4 * E + p * k * n * h  # the docstring's; and 32 + 9 p h per pair kept
@@ -768,9 +760,9 @@ def report(comm, args, run, model, losses, norms, records, counted, diff, refere
              f"{measured['Alltoall']:,.0f} = {twice} L E 8 = {formula['Alltoall']:,} | router counts {measured['router']:,.0f} = {twice} L E 8 "
              f"= {formula['router']:,} | dense gradients {measured['dense']:,.0f} = 4 D = {formula['dense']:,} | expert gradients "
              f"{measured['experts']:,.0f} = 4 (E/P) L X = {formula['experts']:,} | gradient norm {measured['norm']:,.0f} = "
-             f"{formula['norm']} (4 with --clip-grad; without, it is only reported, not counted)",
-             f"collectives per step and rank: {calls:g} (formula {r + 2 * twice}L + {2 + clip} = {(r + 2 * twice) * L + 2 + clip}: per "
-             f"block {r} Alltoallv, {twice} Alltoall, {twice} Allreduce; 2 gradient Allreduces" + ", 1 of the norm" * clip + ")",
+             f"{formula['norm']} (4 with --clip-grad, else reported, not counted) | count {measured['count']:,.0f} = {formula['count']} (8 with --ragged)",
+             f"collectives per step and rank: {calls:g} (formula {r + 2 * twice}L + {2 + clip + ragged} = {(r + 2 * twice) * L + 2 + clip + ragged}: "
+             f"per block {r} Alltoallv, {twice} Alltoall, {twice} Allreduce; 2 gradient Allreduces" + ", 1 of the norm" * clip + ", 1 of the count" * ragged + ")",
              f"gradient norm, each parameter once: first step {norms[0]:.4f}, last {norms[-1]:.4f}, largest {max(norms):.4f}"
              + f"; clipped to {args.clip_grad:g} at {sum(x > args.clip_grad for x in norms)} of {len(norms)} steps" * clip,
              f"activations saved for backward, last step, --recompute {args.recompute}: {' | '.join(f'{a / 1e6:.3f}' for a in saved)} MB "
@@ -791,11 +783,11 @@ def report(comm, args, run, model, losses, norms, records, counted, diff, refere
     return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters, routing", lines, {
         "experts": E, "top_k": k, "ep": P, "capacity_factor": args.capacity_factor, "aux_loss_coef": args.aux_loss_coef, "comm_bytes_per_step":
         sum(measured.values()), "comm_bytes_formula": sum(formula.values()), "comm_bytes_per_rank": per_rank, "comm_bytes_by_kind": measured,
-        "comm_bytes_formula_by_kind": formula, "collectives_per_step": calls, "collectives_formula": (r + 2 * twice) * L + 2 + clip,
+        "comm_bytes_formula_by_kind": formula, "collectives_per_step": calls, "collectives_formula": (r + 2 * twice) * L + 2 + clip + ragged,
         "activation_bytes_per_rank": saved, "activation_bytes_formula": saved_formula, "expert_param_bytes_per_rank": held,
         "expert_param_bytes_formula": E // P * L * one * 4, "tokens_per_expert": load, "tokens_per_expert_first_step": first,
         "busiest_expert_share": busiest, "tokens_dropped": dropped, "min_topk_gap": gap, "overlap": {},  # blocking: no overlap
-        "grad_norms": norms, **{key: vars(args)[key] for key in ("optimizer", "clip_grad", "lr_schedule", "warmup_steps")},
+        "grad_norms": norms, **{key: vars(args)[key] for key in ("optimizer", "clip_grad", "lr_schedule", "warmup_steps", "ragged")},
         **dict(zip(("tokens_dropped_reference", "choices_differing_in_reference", "reference_preference",
                     "grad_norm_max_abs_diff"), reference or [None] * 4))})
 
@@ -808,8 +800,7 @@ def parse_args(argv, world_size):
     p.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
     p.add_argument("--ep", type=COUNT, help="ranks that share the experts out (default: the most that divide both the ranks and the experts)")
     p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(C k n / E) pairs per expert from each rank's n tokens (default: dropless)")
-    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01,
-                   help="alpha of the load-balancing loss")
+    p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01, help="alpha of the load-balancing loss")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="SGD (momentum 0.9) or AdamW (betas "
                    "0.9 0.95, eps 1e-8, weight decay 0.1 on every parameter)")
     p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.0,
@@ -817,6 +808,7 @@ def parse_args(argv, world_size):
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                    help="after the warm-up: --lr, or a cosine down towards --lr / 10 at --steps")
     p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s (from 0) at lr (s + 1) / W")
+    p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     args = check_common(p.parse_args(argv))
     if args.warmup_steps >= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves no step of --steps {args.steps}; use fewer")

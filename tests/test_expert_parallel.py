@@ -190,7 +190,7 @@ def build(comm, args):
     ep_comm, replica_comm = ep.expert_groups(comm, args.ep)
     counted = {"all-to-all": ep.CountedComm(ep_comm, timeline), "router": ep.CountedComm(comm, timeline),
                "dense": ep.CountedComm(comm, timeline), "experts": ep.CountedComm(replica_comm, timeline),
-               "norm": ep.CountedComm(ep_comm, timeline)}
+               "norm": ep.CountedComm(ep_comm, timeline), "count": ep.CountedComm(comm, timeline)}
     model, optimizer = ep.expert_parallel_model(args, counted["all-to-all"], counted["router"], CPU)
     return model, optimizer, counted, timeline
 
@@ -203,7 +203,7 @@ def train_and_check(comm, argv):
     model, optimizer, counted, timeline = build(comm, args)
     ep_comm, replica_comm = counted["all-to-all"].comm, counted["experts"].comm
     losses, norms, _ = ep.train(args, comm, CPU, model, optimizer, counted, timeline, ep.SavedActivations())
-    losses = ep.global_losses(comm, losses)
+    losses = ep.global_losses(comm, losses, args.ragged)
     dense, experts = ep.checksums(model)
     same = len(set(comm.allgather(dense))) == 1 and len(set(replica_comm.allgather(experts))) == 1
     same &= len(set(map(tuple, comm.allgather(norms)))) == 1  # every rank the same norm, bit for bit
@@ -284,8 +284,8 @@ def test_expert_gradients_divided_by_the_replicas_instead_of_n_fail_the_check(mo
     whose rounding hides more, 9.4e-3 after 8 steps against TOLERANCE_BF16 5e-3 (1.3e-3 after 3: not caught)."""
     average = ep.average_gradients
 
-    def by_replicas(model, comm, replica_comm):
-        average(model, comm, replica_comm)
+    def by_replicas(model, comm, replica_comm, divisor):
+        average(model, comm, replica_comm, divisor)
         for p in ep.expert_parameters(model):
             p.grad *= comm.Get_size() / replica_comm.Get_size()  # / (N/P) instead of / N
     monkeypatch.setattr(ep, "average_gradients", by_replicas)
@@ -301,8 +301,8 @@ def test_a_gradient_scaled_by_one_over_n_and_a_nudged_parameter_fail_the_bf16_ch
     after a right run, each parameter of the model moved by 1.5 x TOLERANCE_BF16 is reported above it."""
     average = ep.average_gradients
 
-    def once_more(model, comm, replica_comm):
-        average(model, comm, replica_comm)
+    def once_more(model, comm, replica_comm, divisor):
+        average(model, comm, replica_comm, divisor)
         for p in model.parameters():
             p.grad /= comm.Get_size()
     with sub_comm(2) as comm:
@@ -561,6 +561,73 @@ def test_a_norm_that_counts_a_replica_more_than_once_fails_the_check(monkeypatch
             assert max_everywhere(norm_diff) > 10 * ep.TOLERANCE and max_everywhere(diff) > 10 * ep.TOLERANCE
 
 
+# --- --ragged: documents of uneven length, the loss over the valid targets of the whole step ------
+def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
+    """Without --ragged the batch is the one drawn before (the starts alone); with it, the same text cut
+    after a document of 1 to T characters in each sequence: targets IGNORE (F.cross_entropy's default
+    ignore_index) and inputs 0 past it."""
+    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
+    data, t = ep.load_text(), 24
+    starts = torch.randint(len(data) - t - 1, (6,), generator=gen).tolist()
+    x, y = ep.make_batch(5, 7, 6, t)
+    assert torch.equal(x, torch.stack([data[o:o + t] for o in starts]))
+    assert torch.equal(y, torch.stack([data[o + 1:o + t + 1] for o in starts]))
+    lengths = torch.randint(1, t + 1, (6,), generator=gen)  # drawn next, from the same generator
+    rx, ry = ep.make_batch(5, 7, 6, t, ragged=True)
+    for row, length in enumerate(lengths.tolist()):
+        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
+        assert (rx[row, length:] == 0).all() and (ry[row, length:] == -100).all()
+    assert ep.IGNORE == -100 and len(set(lengths.tolist())) > 1
+
+
+def ragged_counts(args, comm):
+    """Each rank's count of valid targets, step by step, written here apart from valid_targets."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    rows = slice(rank * args.batch_size // size, (rank + 1) * args.batch_size // size)
+    return [int((ep.make_batch(args.seed, step, args.batch_size, args.seq_len, True)[1][rows] >= 0).sum())
+            for step in range(args.steps)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("size, P, num_experts", [(4, 2, 4), (3, 3, 6), (2, 1, 4), (1, 1, 4)])
+def test_ragged_documents_with_the_recipe_equal_one_process_whose_loss_is_the_mean_over_valid_targets(
+        size, P, num_experts, precision):
+    """--ragged with the recipe (the clip acting at every step), fp32 and bf16, N = 1 to 4: losses, gradient
+    norms, parameters and routing within TOLERANCE (TOLERANCE_BF16) of one process taking F.cross_entropy's
+    mean over the valid targets of the whole batch (ignore_index); the ranks' own counts differ at N > 1,
+    so a per-rank mean would not pass (see the plant below). Measured in fp32: (N, P) = (4, 2) 2.0e-6,
+    (3, 3) 7.2e-7, (2, 1) 6.3e-7, (1, 1) 4.8e-7. bf16 at --lr 1e-3: 1.2e-3, 2.0e-3, 6.0e-4, 1.2e-6. Why
+    not the recipe's 1e-2 in bf16: AdamW's early steps are near lr x sign(gradient), and a rank's share of
+    a gradient rounded to bf16 before the float32 sum flips the sign of a near-zero one, a weight moving up
+    to 2 lr: measured 7.6e-3 at (4, 2) and 2.5e-2 at (3, 3) with --ragged, and 9.4e-3 at (3, 3) without
+    it, past TOLERANCE_BF16 (the losses within 2.1e-3, SGD's bf16 runs 4.1e-4)."""
+    with sub_comm(size) as comm:
+        diff, ok, why = 0.0, True, None
+        if comm is not None:
+            args = ep.parse_args(TINY + ["--ep", str(P), "--experts", str(num_experts), "--ragged"], size)
+            counts = comm.allgather(ragged_counts(args, comm))
+            lr = ["--lr", "0.001"] if precision == "bf16" else []
+            diff, _, _, ok, norms, _ = train_and_check(comm, ["--ep", str(P), "--experts", str(num_experts), "--ragged",
+                                                              "--precision", precision] + RECIPE + lr)
+            ok &= min(norms) > 0.05 and (size == 1 or len({tuple(c) for c in counts}) > 1)
+            why = (diff, norms, counts)
+        assert max_everywhere(diff) <= (ep.TOLERANCE_BF16 if precision == "bf16" else ep.TOLERANCE), why
+        assert agree(ok), why
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flags", [[], RECIPE], ids=["sgd", "recipe"])
+def test_ragged_losses_over_each_rank_s_own_count_fail_the_check(monkeypatch, flags):
+    """A planted bug: each rank divides its loss by its own count of valid targets times N (a per-rank
+    mean, averaged: right when the counts are equal, as without --ragged). At N = 4, --ep 2 the check
+    must fail. Measured: 9.0e-2 with SGD, 8.9e-2 with the recipe (right: 6.0e-7 and 2.0e-6)."""
+    monkeypatch.setattr(ep, "valid_targets", lambda y, comm: (y != ep.IGNORE).sum().item() * comm.Get_size())
+    with sub_comm(4) as comm:
+        diff = 0.0 if comm is None else train_and_check(comm, ["--ep", "2", "--ragged"] + flags)[0]
+        assert max_everywhere(diff) > 10 * ep.TOLERANCE
+
+
 # The checkpoints' tests: a smaller model still (hidden 16), 2 steps saved, 2 more resumed.
 SMALL = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "12", "--json"]
 
@@ -649,6 +716,20 @@ def test_an_adamw_checkpoint_resumes_on_another_grid_as_the_uninterrupted_run(tm
     diff = max(abs(a - b) for key in ("losses", "grad_norms") for a, b in zip(run[key][2:], whole[key][2:]))
     assert diff <= ep.TOLERANCE and run["check_max_abs_diff"] <= ep.TOLERANCE, (run, whole)
     assert planted[0] == 1 and planted[1]["check_max_abs_diff"] > 10 * ep.TOLERANCE, planted[:2]
+
+
+@pytest.mark.mpi
+def test_a_ragged_run_counts_the_count_s_8_bytes_and_says_so(capsys):
+    """ep.main with --ragged at N = 4, --ep 2, as a user runs it: the header says so, the JSON has
+    "ragged", every byte counter equals its formula (the count's Allreduce: 8 bytes, one call a step),
+    the activations saved equal their formula, and the check passes."""
+    status, run, out = run_on(4, ["--steps", "2", "--ep", "2", "--ragged"], capsys)
+    assert status == 0 and run["ragged"] is True and "(--ragged: documents of 1 to 16)" in out, out
+    assert run["comm_bytes_by_kind"]["count"] == run["comm_bytes_formula_by_kind"]["count"] == 8
+    assert run["comm_bytes_by_kind"] == pytest.approx(run["comm_bytes_formula_by_kind"], rel=1e-12)
+    assert run["collectives_per_step"] == run["collectives_formula"] == 6 * 2 + 2 + 1
+    assert sum(run["activation_bytes_per_rank"]) / 4 == run["activation_bytes_formula"]
+    assert run["check_max_abs_diff"] <= ep.TOLERANCE
 
 
 @pytest.mark.mpi
