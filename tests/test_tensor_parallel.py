@@ -610,20 +610,20 @@ def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance(precision
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_input_gradients_divided_by_n_fail_the_check(precision, monkeypatch):
     """Negative control for the exchange of gradients: f's sum of the input gradients planted to
-    divide once more by N (an average where a sum belongs). At N = 2 the check must report more
-    than the precision's tolerance."""
+    divide once more by N (an average where a sum belongs). At N = 2 the check must report at
+    least 5x the precision's tolerance."""
     real = tp.start_input_gradient_sum
     monkeypatch.setattr(tp, "start_input_gradient_sum",
                         lambda partial, group: real(partial / group.comm.Get_size(), group))
     with sub_comm(2) as comm:
         diff = 0.0
         if comm is not None:
-            args = tp.parse_args(SMALL + ["--steps", "3", "--sample-chars", "0", "--precision", precision], 2)
+            args = tp.parse_args(SMALL + ["--steps", "6", "--sample-chars", "0", "--precision", precision], 2)
             group = group_of(comm, precision=precision)
             model, optimizer, _ = tp.sharded_model(args, group, CPU)
             losses, norms, _ = tp.train(args, comm, CPU, model, optimizer, group, tp.SavedActivations(model))
             diff = tp.check(comm, args, losses, norms, model)
-        assert max_everywhere(diff) > limit(precision), diff
+        assert max_everywhere(diff) > 5 * limit(precision), diff
 
 
 @pytest.mark.mpi
