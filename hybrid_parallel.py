@@ -4,9 +4,8 @@ What is split: everything, as Megatron-LM splits its largest models (Narayanan e
 the world form a grid (--pp P --dp D --cp C --tp T); a rank's place in it is written (pp, dp, cp, tp), slowest first:
   pipeline (P): the blocks cut into P stages; each replica's share cut into M micro-batches (--micro-batches), 1F1B;
   data (D):     D replicas of that pipeline, each taking B/D of the global batch of B sequences;
-  context (C):  each sequence cut over C ranks, S/C positions each (--layout zigzag: chunks c and 2C-1-c of 2C, the
-                same causal work on every rank; contiguous: the c-th block); attention by ring: the K/V blocks go
-                round the C ranks, merged by the softmax's log-sum-exp (Liu et al. 2023);
+  context (C):  each sequence cut over C ranks, S/C positions each (--layout zigzag: chunks c and 2C-1-c of 2C, equal
+                causal work; contiguous: block c); ring attention: K/V go round, merged by log-sum-exp (Liu 2023);
   tensor (T):   within a stage every weight matrix split over T ranks: Megatron's f and g, column- and row-parallel
                 linears, the vocabulary-parallel embedding and cross-entropy (Shoeybi 2019); --sequence-parallel also
                 cuts the S/C positions over the T ranks between those layers (LayerNorms, residuals): f and g become
@@ -40,11 +39,11 @@ with selective or full, else 0; R_d = Sh + 6Lh + 2h the parameters whole on ever
 positions, row-parallel biases), Sh + (5 + X)Lh + 2h with experts (the routers); W_x = TL(X/E)x(8h^2+5h)):
   pipeline: 2M(P - 1) x D x C x T messages, 2(P - 1) x T x eBSh bytes: each of a stage's T ranks sends its copy.
   data:     one allreduce per bucket (--bucket-mb) in each group of equal (pp, tp), the experts' apart; D x C x 4W
-            bytes, W the dense parameters of a replica (its vocabulary padded to a multiple of T) + (T - 1) x R_d;
-            + D x C x 4W_x when D x C / E > 1 (W_x: a replica's experts, whole on each tensor-parallel rank).
-  context:  L x M x D x C x T x (3C - 2 + R(C - 1)) Sendrecvs, L x 2BSh x ((2 + R)e(C - 1) + 4C) bytes: each rank's
-            K/V C - 1 hops forward, C - 1 in backward (R: again, as the forward reruns), the float32 dK/dV
-            accumulators C hops home (RingAttention).
+            bytes, W the dense parameters of a replica (its vocabulary padded to a multiple of T) + (T - 1) x R_d; + D x
+            C x 4W_x when D x C / E > 1 (W_x: a replica's experts, whole on each tensor-parallel rank); --ragged: + T
+            Allreduces of the count of valid targets (the last stage's groups), 8 x D x C x T bytes.
+  context:  L x M x D x C x T x (3C - 2 + R(C - 1)) Sendrecvs, L x 2BSh x ((2 + R)e(C - 1) + 4C) bytes: each rank's K/V
+            C - 1 hops forward, C - 1 in backward (R: again, rerun), float32 dK/dV C hops home (RingAttention).
   tensor:   D x C x M x (GL + 5 + F) allreduces (G/2 per block forward (g), G/2 backward (f), the embedding's g, the
             head's f, 3 for the loss; F: the blocks' g again); T x [(GL + 2 + F) x A + 3 x 4BS] bytes, float32 always.
   tensor, --sequence-parallel: D x C x M x ((2G + 6 + 4X/E)L + 10 + 2F) collectives, (GL + 2 + F)T x A + (GL + 1 + F)
@@ -62,24 +61,23 @@ positions, row-parallel biases), Sh + (5 + X)Lh + 2h with experts (the routers);
   the norm: one 4-byte Allreduce over all ranks a step (global_grad_norm), outside the axes' counts above.
 The recipe (nanoGPT's): --optimizer sgd (momentum 0.9) or adamw (two float32 moments), --clip-grad to the global
 gradient norm, --lr-schedule constant or cosine (down to lr/10) after --warmup-steps of linear warm-up.
+--ragged: documents of uneven length; the loss, the sum over the step's valid targets / their count.
 Mixed precision (--precision bf16): forward and loss under torch.autocast(bfloat16), on the ranks and in --check's one
 process: matmuls on bf16 copies of the float32 master weights; gradients add up and are reduced in float32 (Megatron's
 default; bf16 would halve the data axis's bytes but round small terms away, and MPI cannot sum bf16), as the optimizer's
-state. Float32 too: the residual stream, LayerNorm, softmax, the ring's scores, lse and merge, the loss, every sum
-handed to MPI. What only moves is bf16: the pipeline's activations and gradients, K/V round the ring, the sequence-
-parallel gathers.
+state. Float32 too: the residual stream, LayerNorm, softmax, the ring's scores, lse and merge, the loss, every sum to
+MPI. Only what moves is bf16: the pipeline's activations and gradients, K/V round the ring, sequence-parallel gathers.
 Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by
 save_for_backward (where the saved-tensor hooks that count activations see them) and reruns fn in backward under the
 forward's autocast. full: each block from its input, its g and ring hops again (F, R); selective: attention's core
 (Korthikanti et al.); at C > 1 the ring keeps no weights (recomputed from lse): selective drops its output and lse (R).
 Not offered yet: experts with bf16 or recomputation (refused in one line); with experts, activations measured only.
-Memory per rank, W_r its stage's parameters (its share of the T-way split, its X/E experts a block): weights and
-  gradients 4W_r each, in bf16 too; SGD's momentum 4W_r, AdamW's moments 8W_r (--zero-stage 1: 4W_r'/n, 8W_r'/n).
-  Activations one micro-batch's forward saves (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with
-  --sequence-parallel, else 1), per dense block: none bsh(8/c + 2e + 12e/t) + 16bs/c + Y; selective without Y; full
-  4bsh/c, its float32 input. Y: (4, in bf16 6)abs^2/t + s^2 (softmax, its bf16 copy, the mask) at C = 1; ebsh/t + 4abs/t
-  (the ring's output, lse) at C > 1. Once: 9bs + 8s/c on the first stage, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the
-  last (V padded); min(M, P - s) of them.
+Memory per rank, W_r its stage's parameters (its slice of the T-way split, X/E experts a block): weights and gradients
+  4W_r each, in bf16 too; SGD's momentum 4W_r, AdamW's moments 8W_r (--zero-stage 1: 4W_r'/n, 8W_r'/n). Activations a
+  micro-batch's forward saves (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with --sequence-parallel,
+  else 1), per dense block: none bsh(8/c + 2e + 12e/t) + 16bs/c + Y; selective without Y; full 4bsh/c, its float32
+  input. Y: (4, bf16 6)abs^2/t + s^2 (softmax, bf16 copy, mask) at C = 1; ebsh/t + 4abs/t (ring output, lse) at C > 1.
+  Once: 9bs + 8s/c on stage 0, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded); min(M, P - s) of them.
 Checkpoints (--save, --resume): the whole model's tensors and optimizer state by one process's names, in blocks
 (blocks_held), each element written once; a resume on any grid reads the blocks it holds there. Experts: which
 sequences share a balancing loss or a capacity is the grid's (D, M): --check replays each step's grid.
@@ -104,9 +102,9 @@ from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "hybrid_parallel"
 TOLERANCE, TOLERANCE_BF16 = 2e-5, 1e-1  # the check's largest |difference|, float32 and bf16: measured (above check())
-POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls, leaving the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
-VOCAB = 128  # the ASCII codes
+VOCAB, IGNORE = 128, -100  # the ASCII codes; a target past a document's end (--ragged): ignored
 
 # -----------------------------------------------------------------------------
 # The grid: P x D x C x T ranks in Megatron's order, and one communicator per axis
@@ -130,7 +128,7 @@ def make_grid(comm, pp, dp, cp, tp, ep=1):
             "stage": cart.Sub([False, True, True, True])}  # equal pp: every rank that routes the stage's tokens
     r = axes["data"].Get_rank()
     axes["expert"] = axes["data"].Split(r // ep, r)  # the D x C ranks in (dp, cp) order, cut into groups of E
-    axes["expert-data"] = axes["data"].Split(r % ep, r)  # the D x C / E ranks that hold the same experts
+    axes["expert-data"] = axes["data"].Split(r % ep, r)  # the D x C / E ranks with the same experts
     cart.Free()
     return axes
 
@@ -195,7 +193,7 @@ def gather_sequence(x, comm):
     return from_mpi(every, buffer).transpose(0, 1).flatten(1, 2)
 
 def scatter_sequence(x, comm):
-    """b x Ts x h partial sums on each rank -> b x s x h: the sum over the ranks of rank t's positions."""
+    """b x Ts x h partial sums on each rank -> b x s x h: the ranks' sum of rank t's positions."""
     b, n, h, size = *x.shape, comm.Get_size()
     pieces = x.detach().reshape(b, size, n // size, h).transpose(0, 1).contiguous()
     mine = x.new_empty((b, n // size, h))
@@ -272,10 +270,10 @@ class VocabParallelEmbedding(nn.Module):
         return sum_.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from each rank's slice of the logits: 3 allreduces of b x S numbers forward, none back."""
+    """Mean cross-entropy (--ragged: sum / count) of each rank's slice of the logits: 3 b x S allreduces, none back."""
     @staticmethod
-    def forward(ctx, logits, target, comm):
-        logits, per = logits.float(), logits.size(-1)  # max, target logit, sum of exponentials: float32
+    def forward(ctx, logits, target, comm, count=None):
+        logits, per = logits.float(), logits.size(-1)  # max, target logit, sum of exps: float32
         start = comm.Get_rank() * per
         padding = torch.arange(start, start + per, device=logits.device) >= VOCAB
         logits = logits.masked_fill(padding, float("-inf"))  # padded columns take no probability
@@ -285,14 +283,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         local = (target - start).clamp(0, per - 1)
         picked = allreduce(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0), comm)
         exps = shifted.exp()
-        total = allreduce(exps.sum(dim=-1), comm)
-        ctx.save_for_backward(exps / total.unsqueeze(-1), local, owned)
-        return (total.log() - picked).mean()
+        total, ignored = allreduce(exps.sum(dim=-1), comm), (target == IGNORE)[..., None]  # owned nowhere
+        ctx.save_for_backward((exps / total[..., None]).masked_fill(ignored, 0), local, owned)  # no gradient
+        ctx.count, losses = count or owned.numel(), (total.log() - picked).masked_fill(ignored[..., 0], 0)
+        return losses.mean() if count is None else losses.sum() / count
     @staticmethod
     def backward(ctx, dloss):
         softmax, local, owned = ctx.saved_tensors  # d loss / d logit = softmax - one-hot(target)
         grad = softmax.scatter_add(-1, local.unsqueeze(-1), -owned.unsqueeze(-1).to(softmax.dtype))
-        return grad * (dloss / owned.numel()), None, None
+        return grad * (dloss / ctx.count), None, None, None
 
 def padded_vocab(tp):
     return -(-VOCAB // tp) * tp
@@ -319,14 +318,12 @@ class Stage(nn.Module):
             block.ring, block.recompute = ring, recompute
         if last:
             self.norm, self.out = model.norm, ColumnParallelLinear(model.out, comm, padded=padded)
-        # Sequence parallelism: between the tensor-parallel layers (LayerNorms, residuals) each of the T ranks holds
-        # S/(C T) positions, so the f and g around them gather and scatter the sequence, and a parameter held whole on
-        # every rank (a LayerNorm, a row-parallel bias, the positions, a router, an expert) gets the gradient of this
-        # rank's positions alone: a hook sums it over the T ranks as it is computed (Megatron: once, after the step).
+        # Sequence parallelism: between tensor-parallel layers (LayerNorms, residuals) each of T ranks holds S/(C T)
+        # positions (f, g gather and scatter them); a parameter whole on each rank (LayerNorm, row-parallel bias,
+        # positions, router, expert) gets its positions' gradient: a hook sums it over T (Megatron: after the step).
         self.cut = comm.Get_size() if sequence_parallel else 1  # a piece of the sequence per rank
-        for layer in self.modules():
-            if hasattr(layer, "sequence_parallel"):
-                layer.sequence_parallel = sequence_parallel
+        for layer in (m for m in self.modules() if hasattr(m, "sequence_parallel")):
+            layer.sequence_parallel = sequence_parallel
         for p in self.parameters() if sequence_parallel else ():
             if not getattr(p, "sliced", False):
                 p.register_hook(functools.partial(allreduce, comm=comm))
@@ -616,16 +613,16 @@ def tag(op, mb):
 # Data parallelism across replicas: the bucketed gradient allreduce on the data-parallel communicator
 # -----------------------------------------------------------------------------
 class GradBuckets:
-    """PyTorch DDP's reducer in miniature. Buckets follow reverse registration order, the order in which backward
-    produces gradients. In the step's last backward (after it, a gradient holds all M micro-batches), a
-    post-accumulate-grad hook counts a bucket's gradients and starts its non-blocking allreduce the moment the last one
-    is in. groups: (parameters, the ranks that sum them), each in buckets of its own: the dense over the N = D x C ranks
-    of equal (pp, tp), an expert's over the N/E that hold it. finish() divides every sum by N: the loss is the mean of N
-    shares, and an expert's N/E copies saw all N between them (/ (N/E) would step the experts E times too far).
-    zero=True (ZeRO-1): a reduce-scatter instead: rank r of n gets the sum of slice r of each bucket (padded), in
-    self.shards."""
-    def __init__(self, groups, shares, bucket_bytes, zero=False):
+    """PyTorch DDP's reducer in miniature. Buckets in reverse registration order: the order backward produces gradients.
+    In the step's last backward (after it a gradient holds all M micro-batches), a post-accumulate-grad hook counts a
+    bucket's gradients and starts its non-blocking allreduce once the last is in. groups: (parameters, the ranks that
+    sum them), each in its own buckets: the dense over the N = D x C ranks of equal (pp, tp), an expert's over the N/E
+    that hold it. finish() divides the sums by N: the loss is the mean of N shares, and an expert's N/E copies saw all N
+    between them (/ (N/E) would step the experts E times too far); ragged: by 1, each share a sum over the step's count.
+    zero (ZeRO-1): a reduce-scatter: rank r of n gets slice r's sum of each bucket (padded), in shards."""
+    def __init__(self, groups, shares, bucket_bytes, zero=False, ragged=False):
         self.shares, self.zero, self.buckets, self.comms = shares, zero and shares > 1, [], []
+        self.divisor = 1 if ragged else shares  # finish()'s
         for params, comm in groups:
             size = bucket_bytes  # a group's first parameter opens a bucket
             for p in reversed(list(params)):
@@ -656,7 +653,7 @@ class GradBuckets:
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
             flat, comm = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]), self.comms[i]
-            if comm.Get_size() == 1:  # experts no other rank holds: nothing to sum, finish() divides
+            if comm.Get_size() == 1:  # experts no other rank holds: no sum, finish() divides
                 self.pending.append((i, flat, flat, None))
                 return
             if self.zero:  # each rank receives the sum of its own slice: 1/n of the bucket
@@ -671,9 +668,9 @@ class GradBuckets:
             self.pending.append((i, flat, buffer, request))
             self.posted_at.append(self.computed)
         for *_, request in self.pending:
-            request and request.Test()  # MPICH moves a non-blocking collective only inside MPI calls
+            request and request.Test()  # MPICH moves non-blocking collectives only inside MPI calls
     def finish(self):
-        """Wait for every bucket; leave the sums divided by the N shares in .grad (ZeRO-1: in shards)."""
+        """Wait for every bucket; leave the sums / divisor in .grad (ZeRO-1: in shards)."""
         self.exchanging = False
         if self.shares == 1:
             return
@@ -681,7 +678,7 @@ class GradBuckets:
         for i, flat, buffer, request in self.pending:
             if request is not None:
                 request.Wait()
-            flat = from_mpi(flat, buffer) / self.shares
+            flat = from_mpi(flat, buffer) / self.divisor
             if self.zero:
                 self.shards[i] = flat
                 continue
@@ -693,8 +690,7 @@ class GradBuckets:
 class ShardedOptimizer:
     """ZeRO stage 1 (Megatron's distributed optimizer) over the n ranks that sum a bucket: rank r keeps the state of
     slice r of each bucket only (SGD's momentum, AdamW's two moments): 1/n of it. Its step: torch's on the slice (the
-    gradient's from the reduce-scatter), then an Allgather of every rank's slice into the bucket's parameters, whole
-    again."""
+    gradient's from the reduce-scatter), then an Allgather of all slices into the bucket's parameters."""
     def __init__(self, buckets, args):
         self.buckets = buckets
         self.slices = [nn.Parameter(torch.zeros(n // c.Get_size(), device=b[0].device))
@@ -783,10 +779,16 @@ def global_grad_norm(stage, buckets, axes, comm):
 # -----------------------------------------------------------------------------
 # The hybrid training step: this rank's list of actions, executed
 # -----------------------------------------------------------------------------
+def valid_targets(y, comm):
+    """--ragged: the step's count of valid targets (not IGNORE) over comm, the D x C ranks of equal (pp, tp): one
+    Allreduce of a number before the forward; only the last stage divides by it, its T ranks (same targets) each over
+    its own D x C. A per-rank mean would overweigh each target of a rank with fewer: a gradient no process computes."""
+    return allreduce(torch.tensor([(y != IGNORE).sum().item()], dtype=torch.float64), comm).item()
+
 def train_step(stage, optimizer, buckets, actions, x, y, args, axes, timeline, comm):
     """One optimizer step on this replica's share (x, y) of the batch, in M micro-batches, the gradient clipped to its
-    norm --clip-grad (0: not). Returns the replica's loss on the last stage (the sum of the micro-batches' losses / M),
-    elsewhere 0; and the norm, before the clip, on every rank."""
+    norm --clip-grad (0: not). Returns the replica's loss on the last stage (the micro-batches' losses summed / M;
+    --ragged: sums over the step's count), elsewhere 0; and the norm, before the clip, on every rank."""
     m, pp_comm, tp_comm, bf16 = args.micro_batches, axes["pipeline"], axes["tensor"], args.precision == "bf16"
     s, last_stage = pp_comm.Get_rank(), pp_comm.Get_size() - 1
     wire = torch.bfloat16 if bf16 else torch.float32  # what crosses a stage boundary, both ways
@@ -794,6 +796,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, args, axes, timeline, c
     shape = (xs[0].size(0), xs[0].size(1) // stage.cut, stage.hidden)  # an activation, or its gradient
     inputs, outputs, received, grads, recvs, sends, total = {}, {}, {}, {}, {}, [], 0.0
     last_backward = max(k for k, a in enumerate(actions) if a.op == "backward")
+    count = valid_targets(y, axes["data"]) if args.ragged and s == last_stage else None
     optimizer.zero_grad(set_to_none=False)
     def post(a):  # a receive from the previous stage (activations) or the next (gradients)
         t = torch.empty(shape, dtype=wire, device=x.device)
@@ -815,8 +818,8 @@ def train_step(stage, optimizer, buckets, actions, x, y, args, axes, timeline, c
             with timeline.span("compute", f"F{a.mb}"), stage.meter, torch.autocast(x.device.type, wire, enabled=bf16):
                 inp = xs[a.mb] if s == 0 else received.pop(Action("recv_act", a.mb)).float().requires_grad_()
                 out = stage(inp)
-                if s == last_stage:  # divided by M: the summed gradients are the whole share's
-                    out = VocabParallelCrossEntropy.apply(out, ys[a.mb], tp_comm) / m
+                if s == last_stage:  # / M (--ragged: / count): the summed gradients are the share's
+                    out = VocabParallelCrossEntropy.apply(out, ys[a.mb], tp_comm, count) / (1 if count else m)
                     total += out.item()
             inputs[a.mb], outputs[a.mb] = inp, out
         elif a.op == "backward":
@@ -846,7 +849,7 @@ def train_step(stage, optimizer, buckets, actions, x, y, args, axes, timeline, c
 # Model: a GPT-2 style character-level language model, plain (what one process trains)
 # -----------------------------------------------------------------------------
 def attend(qkv, heads, ring=None):
-    """Causal self-attention of `heads` heads from q, k, v side by side: in one process, or by `ring`."""
+    """Causal self-attention of `heads` heads, q, k, v side by side: in one process or by `ring`."""
     b, t, c = qkv.size(0), qkv.size(1), qkv.size(2) // 3
     q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=2))
     if ring is not None:
@@ -911,21 +914,21 @@ def build_stage(args, axes, device, model=None):
         for p in moe.experts.parameters():
             p.expert = True
         moe.group, moe.routers = axes["expert"], axes["stage"]
-        moe.scale = 1 / (args.micro_batches * args.tp ** args.sequence_parallel)  # the aux loss's share of the step's
+        moe.scale = 1 / (args.micro_batches * args.tp ** args.sequence_parallel * (args.dp * args.cp) ** args.ragged)
     positions = shard_positions(args.seq_len, cp.Get_size(), args.layout)
     ring = Ring(cp, positions, device) if cp.Get_size() > 1 else None
-    where = positions[cp.Get_rank()]  # with --sequence-parallel, tensor-parallel rank t's piece of them
+    where = positions[cp.Get_rank()]  # --sequence-parallel: tensor-parallel rank t's piece of them
     where = where.view(args.tp, -1)[axes["tensor"].Get_rank()] if args.sequence_parallel else where
     stage = Stage(model, lo, hi, s == 0, s == pp - 1, axes["tensor"], ring, where.clone().to(device),
                   args.sequence_parallel, args.recompute).to(device)
-    stage.meter = SavedActivations(stage)  # the report's: what one micro-batch's forward saves for backward
+    stage.meter = SavedActivations(stage)  # the report's: what a micro-batch's forward saves
     return stage
 
 def build_optimizer(args, stage, axes):
     """The gradient buckets (dense over "data", experts over "expert-data"), ZeRO-1's or torch's optimizer."""
     dense, experts = ([p for p in stage.parameters() if hasattr(p, "expert") == kind] for kind in (False, True))
     groups = [(dense, axes["data"]), (experts, axes["expert-data"])]
-    buckets = GradBuckets(groups, axes["data"].Get_size(), args.bucket_mb * 2**20, args.zero_stage == 1)
+    buckets = GradBuckets(groups, axes["data"].Get_size(), args.bucket_mb * 2**20, args.zero_stage == 1, args.ragged)
     return buckets, ShardedOptimizer(buckets, args) if buckets.zero else make_optimizer(args, stage.parameters())
 
 def blocks_held(args, axes, stage):
@@ -962,19 +965,18 @@ def load_text():
     raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
     return torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long)
 
-def make_batch(seed, step, size, seq_len):
-    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+def make_batch(seed, step, size, seq_len, ragged=False):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone. ragged:
+    each document's length drawn next, 1 to seq_len; past it inputs 0, targets IGNORE (experts route them too)."""
     data = load_text()
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
     x = torch.stack([data[o:o + seq_len] for o in starts])
     y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    if ragged:  # drawn after the starts: without it, the batch is what it was
+        past = torch.arange(seq_len) >= torch.randint(1, seq_len + 1, (size, 1), generator=gen)
+        x, y = x.masked_fill(past, 0), y.masked_fill(past, IGNORE)
     return x, y
-
-def share_of(x, y, replica, replicas):
-    """Replica `replica`'s B/D consecutive sequences of the global batch."""
-    n = x.size(0) // replicas
-    return x[replica * n:(replica + 1) * n], y[replica * n:(replica + 1) * n]
 
 # -----------------------------------------------------------------------------
 # The run
@@ -986,11 +988,11 @@ def train(args, comm, counted, device, stage, optimizer, buckets, actions, timel
     reports = pp_comm.Get_rank() == pp_comm.Get_size() - 1 and tp_comm.Get_rank() == 0
     replica = dp_comm.Get_rank() // cp_comm.Get_size()  # the D x C ranks in order (dp, cp)
     positions = shard_positions(args.seq_len, cp_comm.Get_size(), args.layout)[cp_comm.Get_rank()]
-    losses, norms, records, shares = [], list(past[1]), [], dp_comm.Get_size()  # D x C ranks, each its tokens' mean
+    losses, norms, records, shares = [], list(past[1]), [], 1 if args.ragged else dp_comm.Get_size()  # D x C means
     for step in range(len(past[0]), args.steps):
         start = time.perf_counter()
-        x, y = share_of(*make_batch(args.seed, step, args.batch_size, args.seq_len), replica, args.dp)
-        x, y = x[:, positions].to(device), y[:, positions].to(device)  # its positions of its replica's sequences
+        batch = make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged)
+        x, y = (t.chunk(args.dp)[replica][:, positions].to(device) for t in batch)  # its replica's B/D, its positions
         for settings in optimizer.param_groups:
             settings["lr"] = learning_rate(args, step)
         loss, norm = train_step(stage, optimizer, buckets, actions, x, y, args, counted, timeline, comm)
@@ -1002,7 +1004,7 @@ def train(args, comm, counted, device, stage, optimizer, buckets, actions, timel
     return list(past[0]) + global_losses(comm, losses, reports, shares), norms, records
 
 def global_losses(comm, losses, reports, shares):
-    """The global batch's losses: the mean of `shares` losses known to their last stage (`reports`: one rank)."""
+    """The global batch's losses: the sum of the losses known to their last stage (`reports`: one rank) / shares."""
     total = torch.tensor(losses if reports else [0.0] * len(losses), dtype=torch.float64)
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
     return (total / shares).tolist()
@@ -1013,7 +1015,7 @@ def model_config(args):
             **{key: vars(args)[key] for key in ("layers", "hidden", "heads", "seq_len", "experts", "optimizer")}}
 
 def main(argv=None, comm=MPI.COMM_WORLD):
-    """Parse, set up, prove the schedule, train, check, report. Returns the exit status of this rank."""
+    """Parse, set up, prove the schedule, train, check, report. Returns this rank's exit status."""
     try:
         args = parse_args(argv, comm.Get_size())
         check_paths(comm, args)
@@ -1054,9 +1056,12 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
 # What the reference shares with the ranks, and why each is harmless: GPT, Block, attend and
-# build_model (the network), make_batch, make_optimizer (torch's SGD or AdamW, the recipe's
-# settings) and F.cross_entropy. Its own: nn.Linear, nn.Embedding and whole logits, one process,
-# one backward, the learning rates written out (not learning_rate), torch's clip_grad_norm_ (its
+# build_model (the network), make_batch (with --ragged its IGNORE targets), make_optimizer (torch's
+# SGD or AdamW, the recipe's settings on both sides) and F.cross_entropy. --ragged: its loss is
+# F.cross_entropy's mean over the valid targets of the whole batch (ignore_index), never the
+# ranks' count; padding still passes through each router, there as on the ranks (routed, counted
+# in capacities and in the load-balancing loss), since both run the model on the same inputs.
+# Its own: nn.Linear, nn.Embedding and whole logits, one process, one backward, the learning rates written out (not learning_rate), torch's clip_grad_norm_ (its
 # norm compared as a loss): no f, g, parallel layer, schedule, message, bucket or global_grad_norm. build_stage cuts the trained reference as each rank's stage was cut, so that
 # like is compared with like; the losses, from the uncut model and compared first, show a cut
 # that loses or repeats a part of the model. The mixture of experts it writes apart (reference_moe):
@@ -1074,16 +1079,15 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 def reference_training(args, device):
     """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear and F.cross_entropy, no MPI."""
     model, lr, W, losses, norms = build_model(args).to(device), args.lr, args.warmup_steps, [], []
-    optimizer = make_optimizer(args, model.parameters())  # torch's SGD or AdamW: the recipe's settings on both sides
-    schedule = [lr * (k + 1) / W for k in range(W)] + [lr if args.lr_schedule == "constant" else lr / 10 + 0.45 * lr * (1 + math.cos(math.pi * k / max(1, args.steps - W))) for k in range(args.steps - W)]
+    optimizer, schedule = make_optimizer(args, model.parameters()), [lr * (k + 1) / W for k in range(W)] + [lr if args.lr_schedule == "constant" else lr / 10 + 0.45 * lr * (1 + math.cos(math.pi * k / max(1, args.steps - W))) for k in range(args.steps - W)]
     for step in range(args.steps):  # routed as the grid that trained the step (args.grids: a resume may change it)
         grid = [flags for start, flags in args.grids if start <= step][-1]
         trained = argparse.Namespace(**vars(args) | {flag.replace("-", "_"): value for flag, value in grid.items()})
         for block in model.blocks if args.experts else ():
             block.mlp.forward = functools.partial(reference_moe, block.mlp, trained)
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
         with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):  # bf16 against bf16
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)  # over the valid targets
         optimizer.zero_grad()
         (loss + sum(block.mlp.aux for block in model.blocks if args.experts)).backward()
         norms.append(nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf).item())
@@ -1123,7 +1127,12 @@ MOMENTS = {"sgd": {"momentum": "momentum_buffer"}, "adamw": {"exp_avg": "exp_avg
 # tensor's and pipeline's 2e-5 kept: a 10x nudge shows. bf16, both sides under autocast: the tests' runs (3 steps, grids
 # of 1, 2, 4 ranks, sequence-parallel, contiguous, ZeRO-1) 5.5e-4 to 1.3e-3; the default 40 steps: --tp 2 3.2e-2, --pp 2
 # 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp 2 4.6e-2; the recipe's 3 steps: --pp 2 --tp 2 --sequence-parallel 3.0e-3,
-# --dp 2 --cp 2 3.4e-3, --pp 2 --dp 2 --zero-stage 1 2.9e-3. A 1/N fault: 0.16.
+# --dp 2 --cp 2 3.4e-3, --pp 2 --dp 2 --zero-stage 1 2.9e-3. A 1/N fault: 0.16. --ragged with the recipe (the tests'
+# 3 steps): --dp 2, --tp 2 --sequence-parallel, --pp 2, --cp 2, --dp 2 --ep 2, --pp 2 --dp 2 --zero-stage 1 5.3e-7 to
+# 8.5e-7; bf16 --dp 2 --cp 2 --zero-stage 1 3.5e-3; each rank over its own count x D x C: 6.8e-2 (--dp 2), 1.7e-2
+# (--cp 2). At lr 1e-2 AdamW's first step magnifies float32 order where a gradient is near its eps (1e-8): --ragged,
+# 3 blocks of hidden 16, 3 steps, one process: 3.0e-5 (an out.weight gradient of 2.0e-8, 1% off F.cross_entropy's);
+# at lr 1e-3, 3.0e-6.
 def check(comm, args, device, losses, norms, stage, counted):
     """Rank 0 trains the reference and broadcasts it; each rank cuts it as its stage was, compares; all get the max."""
     reference, (ref_losses, ref_norms, trained) = build_model(args), reference_training(args, device) if comm.Get_rank() == 0 else [None] * 3
@@ -1160,15 +1169,18 @@ def print_header(comm, args, run, stage, buckets, resumed):
            f"of {args.heads} heads, {padded_vocab(T) // T} of {padded_vocab(T)} vocabulary rows" + f", {args.seq_len // (C * T)} positions between "
            "its layers (sequence parallelism)" * args.sequence_parallel, f"global batch {args.batch_size} = {D} replicas x {M} micro-batches x "
            f"{args.batch_size // (D * M)} sequences of {args.seq_len} characters, each cut over {C} context-parallel ranks ({args.layout}: "
-           f"{args.seq_len // C} positions a rank) | schedule 1f1b, every rank's actions simulated first (dry run): no deadlock",
+           f"{args.seq_len // C} positions a rank)" + f" | --ragged: documents of 1 to {args.seq_len} characters, the loss over the step's valid targets" * args.ragged + " | schedule 1f1b, every rank's actions simulated first (dry run): no deadlock",
            f"parameters per rank: {' '.join(str(p) for p, _ in per_rank)} | gradient buckets per rank: {' '.join(str(b) for _, b in per_rank)}"
            f" of <= {args.bucket_mb:g} MB" + " | ZeRO-1: each of a bucket's n ranks steps 1/n of it, all-gathers the rest" * buckets.zero)
 
 FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis, its variant) -> (count, bytes)
     ("pipeline", False): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x T x eBSh"),
     ("pipeline", True): ("messages 2M(P - 1) x D x C x T", "2(P - 1) x eBSh (sequence-parallel)"),
-    ("data", False): ("allreduces: one per bucket per group", "D x C x 4(W + W_x)"),
-    ("data", True): ("reduce-scatters and all-gathers: one each per bucket per group", "4W'(D x C + 1) + 4W_x'(D x C + E)"),
+    ("data", (False, False)): ("allreduces: one per bucket per group", "D x C x 4(W + W_x)"),
+    ("data", (True, False)): ("reduce-scatters and all-gathers: one each per bucket per group", "4W'(D x C + 1) + 4W_x'(D x C + E)"),
+    ("data", (False, True)): ("allreduces: one per bucket per group + T (the count)", "D x C x 4(W + W_x) + 8 x D x C x T"),
+    ("data", (True, True)): ("reduce-scatters and all-gathers: one each per bucket per group + T allreduces (the count)",
+                             "4W'(D x C + 1) + 4W_x'(D x C + E) + 8 x D x C x T"),
     ("context", False): ("messages L x M x D x C x T x (3C - 2 + R(C - 1))", "L x 2BSh x ((2 + R)e(C - 1) + 4C)"),
     ("tensor", False): ("allreduces D x C x M x (GL + 5 + F)", "T x [(GL + 2 + F) x 4BSh + 3 x 4BS]"),
     ("tensor", True): ("collectives D x C x M x ((2G + 6 + 4X/E)L + 10 + 2F)",
@@ -1184,7 +1196,7 @@ def report(comm, args, run, stage, buckets, losses, norms, records, counted, ide
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
     theory, bubble, pipeline = (P - 1) / (M + P - 1), statistics.mean(waits), [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
     slots, SP = max(e for row in pipeline for _, _, e in row), args.sequence_parallel
-    text = {a: FORMULA_TEXT[a, v] for a, v in (("pipeline", SP), ("data", buckets.zero), ("context", False), ("tensor", SP), ("expert", False))}
+    text = {a: FORMULA_TEXT[a, v] for a, v in (("pipeline", SP), ("data", (buckets.zero, args.ragged and D * C > 1)), ("context", False), ("tensor", SP), ("expert", False))}
     saved, saved_formula = comm.allgather(stage.meter.bytes), comm.allgather(activation_bytes(args, counted["pipeline"].Get_rank()))
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f}) | {args.optimizer}, "
              f"lr {args.lr:g} {args.lr_schedule}" + f", gradient norm clipped at {sum(n > args.clip_grad for n in norms)} of {len(norms)} steps" * bool(args.clip_grad),
@@ -1205,7 +1217,7 @@ def report(comm, args, run, stage, buckets, losses, norms, records, counted, ide
     return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters", lines, {
         "comm_bytes_per_step": sum(m[2] for m in measured.values()), "collectives_per_step": sum(m[0] for m in measured.values()),
         "grid": {"pp": P, "dp": D, "cp": C, "tp": T, "ep": args.ep}, **{k: vars(args)[k] for k in ("layout", "zero_stage", "experts", "top_k",
-        "capacity_factor", "optimizer", "clip_grad", "lr_schedule", "warmup_steps")}, "pairs_dropped_per_step": float(dropped),
+        "capacity_factor", "optimizer", "clip_grad", "lr_schedule", "warmup_steps", "ragged")}, "pairs_dropped_per_step": float(dropped),
         "min_topk_gap": gap if moes else None, "sequence_parallel": SP, "micro_batches": M, "grad_norms": norms,
         "layer_split": layer_split(args.layers, P), "comm_bytes_per_step_by_axis": {a: m[2] for a, m in measured.items()},
         "collectives_per_step_by_axis": {a: m[0] for a, m in measured.items()}, "messages_per_step": measured["pipeline"][1],
@@ -1248,11 +1260,11 @@ def formulas(args, comm, stage, buckets, dropped):
     params, dense_b, expert_b, dense_pad, expert_pad = (sum(v) for v in zip(*comm.allgather((sum(p.numel() for p in stage.parameters()), kinds.count(False), kinds.count(True), *(sum(e for e, k in zip(buckets.padded, kinds) if k == kind) for kind in (False, True))))))
     replicated = S * h + 2 * h + L * (5 * h + X * h if X else 6 * h)  # held whole on every tensor-parallel rank
     W = 2 * padded_vocab(T) * h + S * h + L * (4 * h * h + 8 * h + (X * h if X else 8 * h * h + 5 * h)) + 2 * h + (T - 1) * replicated
-    W_x, R_r, counts, routed = T * L * X // E * expert, replicated + L * X // E * expert, 8 * X * L * M * N * T, K * B * S * (1 if SP else T)
+    W_x, R_r, counts, routed, valid = T * L * X // E * expert, replicated + L * X // E * expert, 8 * X * L * M * N * T, K * B * S * (1 if SP else T), T * (N > 1) * args.ragged  # valid: --ragged's count, an Allreduce in each of the last stage's T groups
     assert params == N * (W + W_x)  # what the ranks hold, added up
     return {"pipeline": (0, 2 * M * (P - 1) * N * T, 2 * (P - 1) * (1 if SP else T) * moved),
-            "data": ((dense_b // N * (N > 1) + expert_b // n * (n > 1), 0, N * 4 * (W * (N > 1) + W_x * (n > 1))) if not zero else
-                     (2 * dense_b // N + 2 * expert_b // n * (n > 1), 0, 4 * dense_pad * (N + 1) // N + 4 * expert_pad * (n + 1) // n * (n > 1))),
+            "data": ((dense_b // N * (N > 1) + expert_b // n * (n > 1) + valid, 0, N * 4 * (W * (N > 1) + W_x * (n > 1)) + 8 * N * valid) if not zero else
+                     (2 * dense_b // N + 2 * expert_b // n * (n > 1) + valid, 0, 4 * dense_pad * (N + 1) // N + 4 * expert_pad * (n + 1) // n * (n > 1) + 8 * N * valid)),
             "context": (0, L * M * N * T * (3 * C - 2 + rerun * (C - 1)) * (C > 1), L * 2 * B * S * h * ((2 + rerun) * e * (C - 1) + 4 * C) * (C > 1)),
             "tensor": (N * M * ((2 * G + 6 + 4 * X // E) * L + 10 + 2 * again), 0, (G * L + 2 + again) * T * activation
                        + (G * L + 1 + again) * moved + activation + 12 * B * S * T + 4 * M * N * T * R_r)
@@ -1289,6 +1301,7 @@ def parse_args(argv, world_size):
     p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ does (0: off)")
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant", help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
     p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s (from 0) at lr (s + 1) / W")
+    p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     args = check_common(p.parse_args(argv))
     if args.warmup_steps >= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves no step of --steps {args.steps}; use fewer")

@@ -573,6 +573,85 @@ def test_negative_control_a_norm_that_counts_a_parameter_wrongly_or_a_schedule_o
 
 
 # -----------------------------------------------------------------------------
+# --ragged: documents of uneven length, the loss over the valid targets of the whole step
+# -----------------------------------------------------------------------------
+def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
+    """Without --ragged the batch is the one drawn before (the starts alone); with it, the same text cut after
+    a document of 1 to S characters in each sequence, drawn next from the same generator: inputs 0 and targets
+    IGNORE past it."""
+    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
+    data, t = hp.load_text(), 16
+    starts = torch.randint(len(data) - t - 1, (6,), generator=gen).tolist()
+    x, y = hp.make_batch(5, 7, 6, t)
+    assert torch.equal(x, torch.stack([data[o:o + t] for o in starts]))
+    assert torch.equal(y, torch.stack([data[o + 1:o + t + 1] for o in starts]))
+    lengths = torch.randint(1, t + 1, (6,), generator=gen).tolist()
+    rx, ry = hp.make_batch(5, 7, 6, t, ragged=True)
+    for row, length in enumerate(lengths):
+        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
+        assert (rx[row, length:] == 0).all() and (ry[row, length:] == hp.IGNORE).all()
+    assert len(set(lengths)) > 1 and 0 not in data  # uneven; an input 0 is padding alone
+
+
+def local_counts(args, comm, pp, dp, cp, tp):
+    """This rank's own count of valid targets, step by step (its replica's sequences, its context positions)."""
+    _, d, c, _ = hp.coordinates(comm.Get_rank(), dp, cp, tp)
+    positions = hp.shard_positions(args.seq_len, cp, args.layout)[c]
+    return [int((hp.make_batch(args.seed, step, args.batch_size, args.seq_len, True)[1].chunk(dp)[d][:, positions]
+                 != hp.IGNORE).sum()) for step in range(args.steps)]
+
+
+RAGGED_GRIDS = [(1, 2, 1, 1, []), (1, 1, 1, 2, ["--sequence-parallel"]), (2, 1, 1, 1, []), (1, 1, 2, 1, []),
+                (1, 2, 1, 1, ["--ep", "2", *EXPERTS]), (2, 2, 1, 1, ["--zero-stage", "1"]),
+                (1, 2, 2, 1, ["--zero-stage", "1", "--precision", "bf16"])]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", RAGGED_GRIDS)
+def test_the_recipe_on_ragged_documents_trains_like_one_process_over_the_valid_targets(pp, dp, cp, tp, extra):
+    """--ragged with the whole recipe (AdamW, a clip of 1 that acts at every step, warm-up, cosine) on data,
+    tensor with sequence parallelism, pipeline (M = 2), context, data with experts (--ep 2), and 4-rank grids of
+    data x pipeline and data x context with ZeRO-1, the last in bf16: losses, norms and parameters against one
+    process taking F.cross_entropy's mean over the valid targets of the whole batch. Where D x C > 1 the ranks'
+    own counts differ (else the test proves nothing), and every axis moves what the formula says: the data
+    axis's with the count's T Allreduces of 8 bytes each of the last stage's D x C ranks."""
+    with sub_comm(pp * dp * cp * tp) as comm:
+        if comm is not None:
+            _, diff, measured, formula, *_, norms = train_on(comm, pp, dp, cp, tp, RECIPE + ["--ragged", *extra])
+            limit = hp.TOLERANCE_BF16 if "bf16" in extra else hp.TOLERANCE
+            assert max_everywhere(diff, comm) <= limit, (pp, dp, cp, tp, diff)
+            assert agree(min(norms) > 1, comm), norms  # the clip acted at every step
+            assert agree(measured == formula, comm), (measured, formula)
+            args = hp.parse_args(TINY + RECIPE + ["--ragged"], 1)
+            counts = comm.allgather(local_counts(args, comm, pp, dp, cp, tp))
+            assert dp * cp == 1 or len({tuple(c) for c in counts}) > 1, counts
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pp,dp,cp,tp", [(1, 2, 1, 1), (1, 1, 2, 1)])
+def test_ragged_losses_over_each_ranks_own_count_fail_the_check(pp, dp, cp, tp, monkeypatch):
+    """A planted bug: each rank divides by its own count of valid targets times the D x C ranks (a per-rank
+    mean, averaged: right only where the counts are equal, as without --ragged). At --dp 2 and --cp 2, where
+    the counts differ, the check with the recipe must fail."""
+    monkeypatch.setattr(hp, "valid_targets", lambda y, comm: (y != hp.IGNORE).sum().item() * comm.Get_size())
+    with sub_comm(2) as comm:
+        if comm is not None:
+            diff = train_on(comm, pp, dp, cp, tp, RECIPE + ["--ragged"])[1]
+            assert max_everywhere(diff, comm) > hp.TOLERANCE, diff
+
+
+@pytest.mark.mpi
+def test_a_ragged_run_says_so_in_its_header_and_its_json(capsys):
+    with sub_comm(2) as comm:
+        if comm is not None:
+            status = hp.main(TINY + ["--dp", "2", "--ragged", "--steps", "1", "--no-check", "--json"], comm)
+            out = capsys.readouterr().out
+            ok = status == 0 and (comm.Get_rank() > 0 or "--ragged: documents of 1 to 8 characters" in out
+                                  and json.loads(out.strip().splitlines()[-1])["ragged"] is True)
+            assert agree(ok, comm), out
+
+
+# -----------------------------------------------------------------------------
 # Checkpoints: saved on one grid, resumed on another, in process
 # -----------------------------------------------------------------------------
 # One model (experts in every block) on grids that cut it every way: tensor-parallel slices with sequence
