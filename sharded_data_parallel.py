@@ -50,6 +50,7 @@ reduce-scatter float32 (G), each all-gather bf16 (G / 2): 1.5 G, stage 3 2 G, x 
 The recipe (--clip-grad, --lr-schedule cosine, --warmup-steps): the clip needs the whole model's
 gradient norm, which ZeRO holds once between the ranks: each rank's sum of squares of its reduced
 partitions, summed by one Allreduce of 4 bytes, counts each element once (ZeRO.global_grad_norm).
+--ragged: a rank's loss is its valid targets' sum / the step's count, one Allreduce of 8 bytes more.
 
 A, for b = B/N sequences of s characters, hidden h, a heads, L blocks, V = 128: 8bs + 8s (indices),
 the head's 8bsh (bf16 6bsh) + 16bs + 4bsV + 4 (LayerNorm, float32 logits, targets), L blocks of
@@ -59,11 +60,10 @@ the head's 8bsh (bf16 6bsh) + 16bs + 4bsV + 4 (LayerNorm, float32 logits, target
 none: LayerNorms' float32 inputs (16bs of statistics), the matmuls' inputs (bf16: LayerNorm's
 output cast for q, k and v each), q, k, v, the MLP's two 4h-wide; the s^2 core: the float32 softmax
 (bf16: and its cast), the mask. selective reruns the core in backward (Korthikanti et al. 2022),
-full each block: one more forward. Both by checkpoint(fn, ..., use_reentrant=True), which keeps fn's
-inputs with save_for_backward (where saved-tensor hooks measure them) and in backward reruns fn under
-forward's autocast and backpropagates
-(stage 3: through the layer gathered for backward, so no more bytes move). The network:
-tensor_parallel.py's GPT without the key bias (see Block), on argparse, textwrap, shlex.
+full each block: one more forward. Both by checkpoint(fn, ..., use_reentrant=True): it keeps fn's
+inputs by save_for_backward (seen by saved-tensor hooks), reruns fn in backward under forward's
+autocast and backpropagates (stage 3: through the layer gathered for backward: no more bytes move).
+The network: tensor_parallel.py's GPT, no key bias (see Block); the text: argparse, textwrap, shlex.
 
 When to choose it: the model trains with data parallelism, but its parameters, gradients and
 optimizer state do not fit on one device. Stages 1 and 2 cost nothing in traffic, so take them
@@ -76,6 +76,7 @@ import collections
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import importlib.util
 import io
@@ -179,9 +180,8 @@ class ZeRO:
         self.comm, self.stage, self.world_size, self.device = comm, stage, comm.Get_size(), device
         self.timeline, self.overlap, self.in_backward = timeline, overlap, False
         self.layers = [FlatLayer(m, comm, stage, device, dtype) for m in model.layers]
-        # AdamW steps what this rank owns and updates: its partition of every layer
         self.optimizer = torch.optim.AdamW([layer.partition for layer in self.layers], lr=lr, betas=BETAS, eps=EPS,
-                                           weight_decay=WEIGHT_DECAY)
+                                           weight_decay=WEIGHT_DECAY)  # this rank's partitions
         # arrived: gradients in, per layer; in_flight: the reduce-scatter under way (a layer's whole
         # gradient, its buffers and request); deferred: --no-overlap's layers waiting for backward's end
         self.arrived, self.in_flight, self.deferred = [0] * len(self.layers), None, []
@@ -196,12 +196,12 @@ class ZeRO:
                 module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
 
     # --- one optimizer step -------------------------------------------------------------------
-    def backward(self, loss):
-        """loss.backward() with the gradient exchange; leaves each partition's mean gradient."""
+    def backward(self, loss, divisor=None):
+        """loss.backward() with the gradient exchange; leaves each partition's summed gradient over
+        divisor (N: each rank's loss is its slice's mean; --ragged's 1: a share of the step's)."""
         self.arrived = [0] * len(self.layers)
-        if self.stage == 1:
-            for layer in self.layers:
-                layer.grad_whole.zero_()  # autograd adds into it
+        for layer in self.layers if self.stage == 1 else []:
+            layer.grad_whole.zero_()  # autograd adds into it
         with self.timeline.span("compute", "backward"):
             self.in_backward = True  # what autograd saves from here on is recomputed, not kept
             loss.backward()
@@ -212,23 +212,20 @@ class ZeRO:
                 self.comm.Reduce_scatter_block(mpi_buffer(layer.grad_whole), received, op=MPI.SUM)
                 layer.partition.grad.copy_(received)  # from the host where staged
         else:
-            assert all(n == len(layer.params) for n, layer in zip(self.arrived, self.layers)), \
-                "a gradient never arrived"
+            assert self.arrived == [len(layer.params) for layer in self.layers], "a gradient never arrived"
             for layer in self.deferred:  # --no-overlap: the reduce-scatters start now
                 self.reduce_scatter(layer)
             self.deferred = []
             self.finish_reduce_scatter(wait=True)
         for layer in self.layers:
-            layer.partition.grad /= self.world_size  # each rank's loss is the mean of its slice
+            layer.partition.grad /= divisor or self.world_size
 
     def global_grad_norm(self, comm):
-        """The norm of the whole mean gradient, the same on every rank, in float32 (bf16 runs reduce in
-        float32): after the reduce-scatter rank r holds partition r of each layer's mean gradient, the
-        padding's is zero, so the squares of its partitions summed over comm (the ranks that hold the
-        distinct parts) count each element once. A norm of the whole local gradient, before the
-        reduce-scatter, would be a slice's, another on each rank; one rank's partitions alone, without
-        the Allreduce, would miss (N-1)/N: either clips by a wrong scale that differs between ranks.
-        Counted, clip or not: 4 bytes a step."""
+        """The whole gradient's norm, alike on every rank, in float32 (bf16 too): rank r holds part
+        r of each layer's reduced gradient (the padding's zero), so its squares summed over comm
+        (the ranks that hold the distinct parts) count each element once. The local gradient's norm,
+        before the reduce-scatter, is a slice's; one rank's partitions alone, no Allreduce, miss
+        (N-1)/N: either clips by a wrong scale, another on each rank. Counted, clip or not: 4 bytes."""
         squares = torch.stack([layer.partition.grad.square().sum() for layer in self.layers]).sum().reshape(1)
         buffer = mpi_buffer(squares)
         comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)  # + the other ranks' partitions: the whole gradient
@@ -245,14 +242,12 @@ class ZeRO:
 
     def step(self, lr):
         """AdamW at rate lr on this rank's partitions; stages 1 and 2 then all-gather the parameters."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.param_groups[0]["lr"] = lr  # its one group
         self.optimizer.step()
-        if self.stage < 3:
-            for layer in self.layers:
-                buffer = gather_buffer(layer.whole, layer.mine, layer.partition.detach())  # bf16: rounded
-                self.comm.Allgather(MPI.IN_PLACE, buffer)
-                from_mpi(layer.whole, buffer)
+        for layer in self.layers if self.stage < 3 else []:
+            buffer = gather_buffer(layer.whole, layer.mine, layer.partition.detach())  # bf16: rounded
+            self.comm.Allgather(MPI.IN_PLACE, buffer)
+            from_mpi(layer.whole, buffer)
 
     # --- stages 2 and 3: reduce-scatter each layer's gradients as soon as backward has them --
     def _grad_arriving(self, i):
@@ -382,19 +377,28 @@ def gather_buffer(t, part, mine, nonblocking=False):
 
 def from_mpi(t, buffer):
     """Copy back: what MPI wrote into the host copy of t goes into t; returns t."""
-    if buffer is not t:
-        t.copy_(buffer)
-    return t
+    return t if buffer is t else t.copy_(buffer)
 
 
-def train_step(model, zero, x, y, timeline, lr, bf16=False, max_norm=0.0, norm_comm=None):
-    """One step at rate lr, the gradient clipped to the global norm max_norm (0: not); norm_comm: the
-    norm's communicator (default zero's). Returns this rank's loss and the norm, before the clip."""
+def valid_targets(y, comm):
+    """--ragged: the step's targets not IGNORE, over the ranks (each holds other sequences):
+    one Allreduce of a float64 in host memory, before the forward. A per-rank mean would weigh each
+    target of a rank with fewer valid targets more: a gradient that no one process computes."""
+    count = torch.tensor([(y != IGNORE).sum().item()], dtype=torch.float64)
+    comm.Allreduce(MPI.IN_PLACE, count, op=MPI.SUM)
+    return count.item()
+
+
+def train_step(model, zero, x, y, timeline, lr, bf16=False, max_norm=0.0, count=None):
+    """One step at rate lr, the gradient clipped to the global norm max_norm (0: off); count
+    (--ragged's valid_targets) divides this rank's sum: its share of the step's loss, the shares'
+    gradients summed, not / N. Returns this rank's loss and the norm, before the clip."""
     with timeline.span("compute", "forward"), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())  # the loss in float32
-    zero.backward(loss)  # backward, then what the gradient exchange has left to do
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), ignore_index=IGNORE,
+                               reduction="sum" if count else "mean") / (count or 1)  # in float32
+    zero.backward(loss, 1 if count else None)  # backward, then what the exchange has left to do
     with timeline.span("compute", "optimizer"):
-        norm = zero.clip_gradients(max_norm, norm_comm or zero.comm)  # of the reduced partitions
+        norm = zero.clip_gradients(max_norm, zero.comm)  # of the reduced partitions; counted
         zero.step(lr)
     return loss.item(), norm
 
@@ -473,8 +477,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList([Embedding(hidden, seq_len)] + [Block(hidden, heads, recompute)
                                                                     for _ in range(layers)] + [Head(hidden)])
 
-    def forward(self, idx):
-        x = idx
+    def forward(self, x):
         for layer in self.layers:
             x = layer(x)
         return x
@@ -502,24 +505,26 @@ def shard_model(args, comm, device, timeline):
 # -----------------------------------------------------------------------------
 # The data: characters of Python's own source, batches a function of (seed, step)
 # -----------------------------------------------------------------------------
-_TEXT = []
+IGNORE = -100  # --ragged: the target past a document's end (F.cross_entropy's ignore_index)
 
 
+@functools.cache
 def load_text():
     """argparse.py, textwrap.py and shlex.py from this Python, bytes >= 128 replaced by '?'."""
-    if not _TEXT:
-        raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
-        _TEXT.append(torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long))
-    return _TEXT[0]
+    raw = b"".join(open(importlib.util.find_spec(name).origin, "rb").read() for name in SOURCES)
+    return torch.tensor([b if b < 128 else ord("?") for b in raw], dtype=torch.long)
 
 
-def make_batch(seed, step, size, seq_len):
-    """The global batch of one step: inputs and next-character targets, from (seed, step) alone."""
+def make_batch(seed, step, size, seq_len, ragged=False):
+    """The global batch of one step: inputs and next-character targets, from (seed, step) alone.
+    ragged: a document of 1 to seq_len characters a sequence; past it targets IGNORE, inputs 0."""
     data = load_text()
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(len(data) - seq_len - 1, (size,), generator=gen).tolist()
-    x = torch.stack([data[o:o + seq_len] for o in starts])
-    y = torch.stack([data[o + 1:o + seq_len + 1] for o in starts])
+    x, y = (torch.stack([data[o + i:o + i + seq_len] for o in starts]) for i in (0, 1))
+    if ragged:  # drawn after the starts: without it, the batch is what it always was
+        past = torch.arange(seq_len) >= torch.randint(1, seq_len + 1, (size, 1), generator=gen)
+        x, y = x.masked_fill(past, 0), y.masked_fill(past, IGNORE)
     return x, y
 
 
@@ -527,8 +532,7 @@ def make_batch(seed, step, size, seq_len):
 # The run: the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
 def learning_rate(args, step):
-    """A linear warm-up over --warmup-steps W, then --lr, or a cosine from it down towards lr / 10 at
-    the last step: a function of the step alone."""
+    """Of the step alone: a linear warm-up (--warmup-steps), then --lr or a cosine towards lr/10."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     low, progress = args.lr / 10, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
@@ -540,34 +544,31 @@ def learning_rate(args, step):
 def train(args, comm, device, model, zero, timeline, activations, past=((), ()), config=None):
     """The steps after the `past` ones (their global losses and norms, from a checkpoint), each rank on
     its slice of the batch, `activations` measuring what autograd saves. Returns losses, norms, timings."""
-    rank, world_size = comm.Get_rank(), comm.Get_size()
-    per_rank, losses, norms, records = args.batch_size // world_size, [], [], []
-    norm_comm = zero.comm  # the norm's Allreduce, clip or not, is bytes handed to MPI: counted
+    per_rank, losses, norms, records = args.batch_size // comm.Get_size(), [], [], []
+    mine = slice(comm.Get_rank() * per_rank, (comm.Get_rank() + 1) * per_rank)
     for step in range(len(past[0]), args.steps):
         start = time.perf_counter()
-        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        x, y = make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged)
+        count = valid_targets(y[mine], zero.comm) if args.ragged else None  # 8 bytes, counted
         with activations:  # copies: autograd keeps b s, not B s
             loss, norm = train_step(model, zero, x[mine].to(device, copy=True), y[mine].to(device, copy=True), timeline,
-                                    learning_rate(args, step), args.precision == "bf16", args.clip_grad, norm_comm)
-        losses.append(loss), norms.append(norm)
-        records.append(timeline.step_record(start))
+                                    learning_rate(args, step), args.precision == "bf16", args.clip_grad, count)
+        losses.append(loss), norms.append(norm), records.append(timeline.step_record(start))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            mean_loss = comm.allreduce(losses[-1]) / world_size  # reporting only, not counted
+            mean_loss = comm.allreduce(losses[-1]) / (1 if args.ragged else comm.Get_size())  # a report: uncounted
             print_progress(comm, args, step, mean_loss, records[-1], norm)
-        # A checkpoint is ZeRO's too: each rank writes its partition of every layer's masters and Adam
-        # moments, as a piece of the layer's whole unpadded vector (zero_shard); a resume at any N and
-        # stage asks for its new partition's range alone and reads only the files that hold it (resume)
-        checkpoint_if_due(comm, args, step, lambda: zero_shard(zero, list(past[0]) + global_losses(comm, losses),
-                                                               list(past[1]) + norms), config)
+        # A checkpoint is ZeRO's too: each rank saves its partitions of the masters and Adam moments, pieces
+        # of the layers' unpadded wholes (zero_shard); a resume on any grid reads its new ranges alone (resume)
+        checkpoint_if_due(comm, args, step, lambda: zero_shard(
+            zero, list(past[0]) + global_losses(comm, losses, args.ragged), list(past[1]) + norms), config)
     return losses, norms, records
 
 
-def global_losses(comm, losses):
-    """Every rank's loss is that of its slice; the step's loss is their mean."""
+def global_losses(comm, losses, shares=False):
+    """Every rank's loss is that of its slice; the step's is their mean (--ragged's shares: sum)."""
     total = torch.tensor(losses, dtype=torch.float64)
     comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-    return (total / comm.Get_size()).tolist()
+    return (total / (1 if shares else comm.Get_size())).tolist()
 
 
 def main(argv=None, comm=MPI.COMM_WORLD):
@@ -589,7 +590,7 @@ def main(argv=None, comm=MPI.COMM_WORLD):
     except ConfigError as e:
         print0(comm, f"error: {e}", file=sys.stderr)
         return e.status
-    losses, norms = past[0] + global_losses(comm, losses), past[1] + norms  # norms: the same on every rank
+    losses, norms = past[0] + global_losses(comm, losses, args.ragged), past[1] + norms  # norms: alike on all
     diff = check(comm, args, losses, norms, zero, model) if args.check else None
     if args.trace:
         write_trace(comm, run.timeline, args.trace)
@@ -605,7 +606,8 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 
 # --- This file's own: the check against single-process training, the report, arguments, checkpoints
 # What the reference shares with the ranks, and why each is harmless: build_model and its classes
-# (the network), make_batch, F.cross_entropy, torch's AdamW with the same hyperparameters. Its schedule
+# (the network), make_batch, F.cross_entropy (--ragged: its own mean over the batch's valid targets, no
+# count of the ranks', no shares), torch's AdamW with the same hyperparameters. Its schedule
 # is written out (not learning_rate: a bug there shows); its norm and clip are clip_grad_norm_'s.
 # AdamW acts element by element, which is what lets ZeRO step a partition alone; the reference
 # steps each parameter whole, so the flat vectors, their padding and partitions, the
@@ -626,9 +628,9 @@ def reference_training(args, device=torch.device("cpu")):
         for k in range(rest)]
     losses, norms = [], []
     for step in range(args.steps):
-        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len))
-        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-            loss = F.cross_entropy(working(x).float().flatten(0, 1), y.flatten())
+        x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):  # the mean over the valid targets
+            loss = F.cross_entropy(working(x).float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         working.zero_grad()
         loss.backward()
         for p, w in zip(model.parameters(), working.parameters()):
@@ -743,6 +745,8 @@ def print_header(comm, args, run, model, zero, resumed):
            f"global batch {args.batch_size} x {args.seq_len} characters = {comm.Get_size()} ranks x "
            f"{args.batch_size // comm.Get_size()} | AdamW, lr {args.lr:g} ({args.lr_schedule}, {args.warmup_steps} "
            f"warm-up steps), eps {EPS:g}, weight decay {WEIGHT_DECAY:g}, clip {args.clip_grad or 'off'}"
+           + (f" | ragged: documents of 1 to {args.seq_len} characters, the loss over the step's valid targets"
+              if args.ragged else "")
            + ("" if args.zero_stage == 1 else " | exchange overlapped with compute" if not args.no_overlap
               else " | no overlap (--no-overlap)"))
 
@@ -753,7 +757,7 @@ def report(comm, args, run, zero, losses, norms, records, counted, activations, 
     calls, volume = ({k: v / steps_run for k, v in counts.items()} for counts in (counted.calls, counted.bytes))
     psi = sum(layer.padded for layer in zero.layers)
     e, gathers = zero.layers[0].whole.element_size(), 1 if stage < 3 else 2  # stage 3 gathers twice
-    moved = (4 + gathers * e) * psi + 4  # reduce-scatter float32, all-gathers e; the norm's 4 bytes
+    moved = (4 + gathers * e) * psi + 4 + 8 * args.ragged  # reduce-scatter float32, all-gathers e; norm; count
     ring = (world_size - 1) / world_size * moved
     every = comm.allgather(live_tensor_bytes(zero))  # the same on every rank: so is S
     live = {kind: max(m[kind] for m in every) for kind in every[0]}
@@ -762,7 +766,7 @@ def report(comm, args, run, zero, losses, norms, records, counted, activations, 
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = "
              f"{math.log(VOCAB):.4f})",
              "per step: " + ", ".join(f"{calls[k]:g} {k} ({volume[k]:,.0f} bytes)" for k in sorted(calls))
-             + f"; formula 4 Psi + {gathers} x {e} Psi + 4 (the norm) = {moved:,} bytes "
+             + f"; formula 4 Psi + {gathers} x {e} Psi + 4 (the norm){' + 8 (the count)' * args.ragged} = {moved:,} bytes "
              f"(Psi = {psi:,} with padding); a ring "
              f"moves (N-1)/N of that per rank, {ring:,.0f}, {ring / (8 * psi * (world_size - 1) / world_size or 1):g}"
              f" x a float32 allreduce of the gradients",
@@ -774,7 +778,7 @@ def report(comm, args, run, zero, losses, norms, records, counted, activations, 
              "live tensors after the last step: " + " | ".join(f"{k} {v:,}" for k, v in live.items()) + " bytes"]
     return finish(comm, args, run, losses, records, diff, "losses, parameters, norms", lines, {"grad_norms": norms,
         "comm_bytes_per_step": sum(volume.values()), "collectives_per_step": sum(calls.values()),
-        "zero_stage": stage, "param_count": sum(layer.numel for layer in zero.layers),
+        "zero_stage": stage, "ragged": args.ragged, "param_count": sum(layer.numel for layer in zero.layers),
         "padded_param_count": psi, "memory_bytes_formula": formula, "live_bytes_after_last_step": live,
         "comm_bytes_formula": moved, "ring_bytes_per_rank": ring, "collectives_by_kind": calls,
         "activation_bytes_per_rank": comm.allgather(activations.kept),
@@ -797,6 +801,7 @@ def parse_args(argv, world_size):
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                    help="after the warm-up: constant, or a cosine towards lr / 10, reached after the last step")
     p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up from 0 to --lr over W steps")
+    p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     args = check_common(p.parse_args(argv))
     if not args.clip_grad >= 0 or args.warmup_steps >= args.steps:
         raise ConfigError(f"--clip-grad {args.clip_grad:g} must be 0 (off) or more" if not args.clip_grad >= 0 else

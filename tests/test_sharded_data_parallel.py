@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import sharded_data_parallel as zp
-from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, sub_comm, world
+from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, planted, sub_comm, world
 
 CPU = torch.device("cpu")
 # hidden 10, 9 positions: the embedding layer has 1370 parameters and the head 1300, which 3 and 4
@@ -32,7 +32,7 @@ def run_steps(comm, argv):
     timeline = zp.Timeline(CPU)
     model, zero = zp.shard_model(args, zp.CountedComm(comm, timeline), CPU, timeline)
     losses, norms, _ = zp.train(args, comm, CPU, model, zero, timeline, zp.ActivationMeter(zero))
-    return zp.global_losses(comm, losses), model, zero, norms
+    return zp.global_losses(comm, losses, args.ragged), model, zero, norms
 
 
 def sharded(model, comm, stage, args, overlap=True):
@@ -232,6 +232,108 @@ def test_a_norm_of_a_part_of_the_gradient_makes_the_check_fail(plant, size, stag
     with sub_comm(size) as comm:
         diff = 0.0 if comm is None else recipe_check(comm, stage)[0]
         assert max_everywhere(diff) > 10 * zp.TOLERANCE
+
+
+# --- --ragged: documents of uneven length, the loss over the valid targets of the whole step ------
+def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
+    """Without --ragged the batch is the one drawn before (starts alone); with it, the same text cut
+    after a document of 1 to s characters in each sequence: targets IGNORE and inputs 0 past it."""
+    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
+    data, s = zp.load_text(), 24
+    starts = torch.randint(len(data) - s - 1, (6,), generator=gen).tolist()
+    x, y = zp.make_batch(5, 7, 6, s)
+    assert torch.equal(x, torch.stack([data[o:o + s] for o in starts]))
+    assert torch.equal(y, torch.stack([data[o + 1:o + s + 1] for o in starts]))
+    lengths = torch.randint(1, s + 1, (6,), generator=gen)  # drawn next, from the same generator
+    rx, ry = zp.make_batch(5, 7, 6, s, ragged=True)
+    for row, length in enumerate(lengths.tolist()):
+        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
+        assert (rx[row, length:] == 0).all() and (ry[row, length:] == zp.IGNORE).all()
+    assert len(set(lengths.tolist())) > 1
+
+
+def ragged_counts(args, comm):
+    """This rank's count of valid targets, step by step: the ranks' must differ, or a test proves nothing."""
+    per = args.batch_size // comm.Get_size()
+    mine = slice(comm.Get_rank() * per, (comm.Get_rank() + 1) * per)
+    return [int((zp.make_batch(args.seed, step, args.batch_size, args.seq_len, True)[1][mine] != zp.IGNORE).sum())
+            for step in range(args.steps)]
+
+
+def ragged_check(comm, stage, precision="fp32"):
+    """3 steps of the recipe with --ragged on comm: --check's max |diff|, the norms, whether the bytes and
+    calls handed to MPI are the formula's (the count: one Allreduce of 8 bytes a step more), every rank's
+    counts."""
+    argv = TINY + RECIPE + ["--ragged", "--steps", "3", "--zero-stage", str(stage), "--precision", precision]
+    args = zp.parse_args(argv, comm.Get_size())
+    losses, model, zero, norms = run_steps(comm, argv)
+    psi, e, gathers = sum(layer.padded for layer in zero.layers), 2 if precision == "bf16" else 4, 1 + (stage == 3)
+    formula = sum(zero.comm.bytes.values()) == 3 * ((4 + gathers * e) * psi + 4 + 8)  # the norm's, the count's
+    formula = formula and sum(zero.comm.calls.values()) == 3 * ((1 + gathers) * len(zero.layers) + 2)
+    return zp.check(comm, args, losses, norms, zero, model), norms, formula, comm.allgather(ragged_counts(args, comm))
+
+
+# Every stage, N = 1 to 4, fp32 and bf16, the recipe's clip active (the least norm measured 1.05).
+# Measured max |diff| (losses, parameters, norms) from one process taking F.cross_entropy's mean over
+# the batch's valid targets, 3 steps of TINY: fp32 3.7e-9 (N = 1), 2.4e-7 (N = 2), 4.8e-7 (N = 3, 4);
+# bf16 1.0e-3 (N = 2), 4.1e-4 (N = 3), 5.6e-4 (N = 4).
+RAGGED_GRIDS = [(1, 3, "fp32"), (2, 1, "fp32"), (3, 2, "fp32"), (4, 3, "fp32"), (2, 1, "bf16"), (4, 2, "bf16"),
+                (3, 3, "bf16")]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size, stage, precision", RAGGED_GRIDS)
+def test_ragged_recipe_matches_one_process_whose_loss_is_the_mean_over_valid_targets(size, stage, precision):
+    """Each rank's loss is its sum over its valid targets / the step's count (one Allreduce), and the
+    reduce-scatters sum: losses, parameters and norms are one process's, whose loss is the whole batch's
+    mean over its valid targets; the ranks' counts differ (N > 1); bytes and calls are the formula's."""
+    with sub_comm(size) as comm:
+        diff, norms, formula, counts = (0.0, [1.0], True, []) if comm is None else ragged_check(comm, stage, precision)
+        assert agree(formula)
+        assert agree(min(norms) > 0.05)
+        assert agree(comm is None or size == 1 or len({tuple(c) for c in counts}) == size), counts
+        assert max_everywhere(diff) <= (zp.TOLERANCE_BF16 if precision == "bf16" else zp.TOLERANCE)
+
+
+@pytest.mark.mpi
+def test_a_ragged_run_reports_the_count_and_its_bytes_are_the_printed_formula(capsys):
+    """main() at N = 3, stage 2: the header says --ragged; the bytes handed to MPI a step equal the
+    printed formula, 4 Psi + 4 Psi + 4 (the norm) + 8 (the count); the check passes."""
+    with sub_comm(3) as comm:
+        ok, out = True, None
+        if comm is not None:
+            status, (out, _) = run_main(comm, TINY + RECIPE + ["--ragged", "--steps", "2", "--zero-stage", "2",
+                                                               "--json"], capsys)
+            run = json.loads(out.splitlines()[-1]) if status == 0 else {}
+            ok = status == 0 and run["ragged"] and "ragged: documents of 1 to 9 characters" in out
+            ok = ok and run["comm_bytes_per_step"] == run["comm_bytes_formula"] == 8 * run["padded_param_count"] + 12
+            ok = ok and "+ 4 (the norm) + 8 (the count)" in out and run["check_max_abs_diff"] <= zp.TOLERANCE
+        assert agree(ok), out
+
+
+def own_count(monkeypatch):
+    """Planted: each rank divides its sum by its own count times N, no Allreduce (a per-rank mean,
+    averaged: right when the counts are equal, as without --ragged)."""
+    monkeypatch.setattr(zp, "valid_targets", lambda y, comm: (y != zp.IGNORE).sum().item() * comm.Get_size())
+
+
+def shares_divided_by_n(monkeypatch):
+    """Planted: the shares' summed gradient divided by N all the same, as the plain path's means are."""
+    planted(monkeypatch, zp, "train_step", "1 if count else None", "None")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant, size, stage, precision", [(own_count, 2, 2, "fp32"), (own_count, 4, 3, "fp32"),
+                                                           (own_count, 3, 1, "bf16"), (shares_divided_by_n, 2, 1, "fp32")])
+def test_a_ragged_loss_over_the_wrong_count_fails_the_check(plant, size, stage, precision, monkeypatch):
+    """The negative controls of the test above, on its recipe: the check fails. Measured max |diff|: each
+    rank's own count, fp32 6.5e-2 (N = 2, stage 2) and 5.5e-2 (N = 4, stage 3) against 2e-5, bf16 4.6e-2
+    (N = 3, stage 1) against 2e-2; the shares / N 1.26 (N = 2, stage 1: the first norm, half the
+    reference's 2.52)."""
+    plant(monkeypatch)
+    with sub_comm(size) as comm:
+        diff = 0.0 if comm is None else ragged_check(comm, stage, precision)[0]
+        assert max_everywhere(diff) > (zp.TOLERANCE_BF16 if precision == "bf16" else zp.TOLERANCE), diff
 
 
 @pytest.mark.mpi
