@@ -1329,32 +1329,42 @@ def precision(meta, runs, cores):
     return lines + table(head, rows) + load_line([j for _, j in jobs])
 
 
+def norm_difference(c):
+    """The largest |difference| of a grid's gradient norms, step by step, from its one-process reference's."""
+    d = c["result"].get("norm_max_abs_diff")
+    return "–" if d is None else f"{d:.1e}"
+
+
 def matrix(meta, runs, cores):
     lines = ["## The exactness matrix: hybrid_parallel.py against one process on every grid", ""]
     j = next((r for r in sorted(runs, key=lambda r: -r["ranks"]) if r["group"] == "matrix" and r["result"]), None)
     if j is None:
         return lines + ["Not measured (see above).", ""]
-    r0, cfg = j["result"], j["result"].get("config") or {}
+    r0, cfg, cases = j["result"], j["result"].get("config") or {}, j["result"]["cases"]
+    recipe = next((c["tags"]["recipe"] for c in cases if c["tags"].get("recipe")), None)
     lines += [f"Every grid trains the same GPT ({cfg.get('layers')} blocks × {cfg.get('hidden')} hidden × "
               f"{cfg.get('heads')} heads, global batch {cfg.get('batch_size')} sequences of {cfg.get('seq_len')} "
-              f"characters, M = {cfg.get('micro_batches')} micro-batches, {plural(r0['steps'], 'step')}) with "
+              f"characters, M = {cfg.get('micro_batches')} micro-batches, {plural(r0['steps'], 'step')}"
+              + (f", `{' '.join(recipe)}`" if recipe else "") + ") with "
               "--check: one process trains the unsplit model from the same seed on the same batches, and "
-              "*largest |Δ|* is the largest difference over every loss and every parameter (each rank's "
-              "piece against the same piece of the reference), with the script's verdict against its "
-              "tolerance. The grids ran one after another in one job of "
-              f"{j['ranks']} ranks on {cores} cores, each on the job's first N ranks: the step times say "
-              "what a tiny model costs on an oversubscribed CPU, not what a grid is worth. *Bytes by axis*: "
-              "per step, summed over the grid's ranks, MB.", ""]
-    head = ["N", "grid", "largest \\|Δ\\| (losses and parameters)", "step ms", "peak MB per rank (largest)",
-            "bytes by axis: data / tensor / pipeline / context / expert"]
+              "*largest |Δ|* is the largest difference over every loss, gradient norm and parameter (each "
+              "rank's piece against the same piece of the reference), with the script's verdict against its "
+              "tolerance in that precision. *Norms |Δ|*: the largest of them alone, the gradient norms' "
+              "difference step by step from the same reference's. The grids ran one after another "
+              f"in one job of {j['ranks']} ranks on {cores} cores, each on the job's first N ranks: the step "
+              "times say what a tiny model costs on an oversubscribed CPU, not what a grid is worth. *Bytes "
+              "by axis*: per step, summed over the grid's ranks, MB.", ""]
+    head = ["N", "grid", "precision", "largest \\|Δ\\| (losses, norms, parameters)", "norms \\|Δ\\|", "step ms",
+            "peak MB per rank (largest)", "bytes by axis: data / tensor / pipeline / context / expert"]
     rows = []
-    for c in j["result"]["cases"]:
-        n = ranks_label(c["tags"]["n"], cores)
+    for c in cases:
+        n, precision = ranks_label(c["tags"]["n"], cores), c["tags"].get("precision", "fp32")
+        grid = c["label"].replace("hybrid_parallel.py ", "").replace(f" [{precision}]", "")
         if not ok(c):
-            rows.append([n] + failed_row(c, len(head) - 1))
+            rows.append([n] + failed_row({**c, "label": grid}, len(head) - 1))
             continue
         r, axis = c["result"], c["result"].get("comm_bytes_per_step_by_axis") or {}
-        rows.append([n, c["label"].replace("hybrid_parallel.py ", ""), check_cell(c), ms(r["step_time_s"]),
+        rows.append([n, grid, precision, check_cell(c), norm_difference(c), ms(r["step_time_s"]),
                      mb(max(r["peak_memory_bytes_per_rank"])),
                      " / ".join(mb(axis[a]) if a in axis else "–"
                                 for a in ("data", "tensor", "pipeline", "context", "expert"))])

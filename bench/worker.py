@@ -1307,14 +1307,42 @@ MATRIX = [  # the world size and the grid's flags (an axis not named is 1; --dp 
 ]
 
 
+# The recipe users train with on every grid: AdamW, the global norm clipped at 1 (these three steps' norms are
+# 1.3 to 2.5 in one process: every step clipped), a warm-up into a cosine, and documents of uneven length
+# (the loss over the valid targets of the whole step). lr 1e-3: at 1e-2 AdamW's first step turns a float32
+# reordering of a gradient near its eps (2e-8) into 3e-5, past the check's 2e-5, in one process too.
+MATRIX_RECIPE = ("--optimizer", "adamw", "--lr", 0.001, "--clip-grad", 1, "--lr-schedule", "cosine",
+                 "--warmup-steps", 1, "--ragged")
+
+
 def matrix_cases(ctx):
-    """Every grid of MATRIX that fits the job, each on the job's first N ranks (the others sleep),
-    one after the other: the matrix is of differences against one process, not of ratios."""
+    """Every grid of MATRIX that fits the job, with the recipe, in fp32 and then in bf16 (the grids
+    with experts in fp32 only: the file refuses experts in bf16), each on the job's first N ranks
+    (the others sleep), one after the other: the matrix is of differences, not of ratios."""
     hp = "hybrid_parallel"
-    return [Case(f"{hp}.py " + (" ".join(map(str, flags)) or "(one process)"),
-                 {"kind": "strategy", "strategy": hp, "n": n, "flags": [str(f) for f in flags]},
-                 on_first(n, strategy(hp, *MATRIX_NETWORK, *flags)))
-            for n, flags in MATRIX if n <= ctx.comm.Get_size()]
+    return [Case(f"{hp}.py " + (" ".join(map(str, flags)) or "(one process)") + f" [{precision}]",
+                 {"kind": "strategy", "strategy": hp, "n": n, "flags": [str(f) for f in flags], "precision": precision,
+                  "recipe": [str(f) for f in MATRIX_RECIPE]},
+                 norms_against_the_reference(n, [*MATRIX_NETWORK, *MATRIX_RECIPE, "--precision", precision, *flags]))
+            for precision in ("fp32", "bf16") for n, flags in MATRIX
+            if n <= ctx.comm.Get_size() and not (precision == "bf16" and EXPERTS[0] in flags)]
+
+
+def norms_against_the_reference(n, flags):
+    """hybrid_parallel.py on the first n ranks, then on rank 0 its one-process reference trained once
+    more (the file's reference_training, as its check trains it) for the gradient norms' largest
+    |difference|, step by step: the script's check folds them into one number with the rest."""
+    run = on_first(n, strategy("hybrid_parallel", *flags))
+
+    def case(ctx):
+        result = run(ctx)
+        if ctx.comm.Get_rank() == 0 and result and result.get("grad_norms"):
+            hp = importlib.import_module("hybrid_parallel")
+            args = hp.parse_args([str(f) for f in (*flags, "--steps", ctx.args.steps)], n)
+            norms = hp.reference_training(args, torch.device("cpu"))[1]
+            result = {**result, "norm_max_abs_diff": max(abs(a - b) for a, b in zip(result["grad_norms"], norms))}
+        return result
+    return case
 
 
 # -----------------------------------------------------------------------------

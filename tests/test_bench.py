@@ -162,22 +162,27 @@ def test_the_hybrid_table_gives_each_grid_against_2x2x2_and_says_what_8_ranks_on
             "p = 0.008.") in text
 
 
-def test_the_exactness_matrix_gives_every_grid_its_difference_verdict_time_peak_and_bytes_by_axis():
-    def grid(n, flags, diff, passed=True):
-        return case(f"hybrid_parallel.py {flags}", {"kind": "strategy", "strategy": "hybrid_parallel", "n": n},
+def test_the_exactness_matrix_gives_every_grid_its_difference_verdict_norms_time_peak_and_bytes_by_axis():
+    def grid(n, flags, diff, norms, passed=True, precision="fp32"):
+        return case(f"hybrid_parallel.py {flags} [{precision}]",
+                    {"kind": "strategy", "strategy": "hybrid_parallel", "n": n, "precision": precision,
+                     "recipe": ["--optimizer", "adamw", "--ragged"]},
                     [0.05], check_max_abs_diff=diff, check_passed=passed, peak_memory_bytes_per_rank=[3e6, 4e6],
-                    comm_bytes_per_step_by_axis={"data": 1e6, "tensor": 0, "pipeline": 0, "context": 0, "expert": 2e6})
+                    comm_bytes_per_step_by_axis={"data": 1e6, "tensor": 0, "pipeline": 0, "context": 0, "expert": 2e6},
+                    **({} if norms is None else {"norm_max_abs_diff": norms}))
     job = {"group": "matrix", "ranks": 16, "env": {}, "error": None, "load": [1.0, 2.0], "result": {
         "steps": 3, "rounds": 1, "config": {"layers": 3, "hidden": 16, "heads": 2, "batch_size": 8, "seq_len": 8,
                                             "micro_batches": 2}, "cases": [
-            grid(2, "--ep 2 --experts 4", 2.4e-7), grid(16, "--dp 2 --tp 2 --pp 2 --cp 2 --ep 2", 3e-5, False),
-            {"label": "hybrid_parallel.py --tp 8", "tags": {"kind": "strategy", "n": 8},
+            grid(2, "--ep 2 --experts 4", 2.4e-7, 1.2e-7), grid(16, "--dp 2 --tp 2 --pp 2 --cp 2 --ep 2", 3e-5, 2.5e-1, False),
+            grid(2, "--tp 2", 4e-3, 1e-2, precision="bf16"), grid(1, "(one process)", 1e-3, None, precision="bf16"),
+            {"label": "hybrid_parallel.py --tp 8 [fp32]", "tags": {"kind": "strategy", "n": 8, "precision": "fp32"},
              "result": {"error": "--tp 8 does not divide --heads 2"}}]}}
     text = report.render({**META, "missing": []}, [job])
-    assert "| 2 | --ep 2 --experts 4 | 2.4e-07 pass | 50.0 | 4.00 | 1.00 / 0.00 / 0.00 / 0.00 / 2.00 |" in text
-    assert "| 16 † | --dp 2 --tp 2 --pp 2 --cp 2 --ep 2 | 3.0e-05 FAIL |" in text
-    assert "| 8 † | hybrid_parallel.py --tp 8 | not measured: --tp 8 does not divide --heads 2 |" in text
-    assert "3 blocks × 16 hidden × 2 heads" in text and "M = 2 micro-batches, 3 steps" in text
+    assert "| 2 | --ep 2 --experts 4 | fp32 | 2.4e-07 pass | 1.2e-07 | 50.0 | 4.00 | 1.00 / 0.00 / 0.00 / 0.00 / 2.00 |" in text
+    assert "| 16 † | --dp 2 --tp 2 --pp 2 --cp 2 --ep 2 | fp32 | 3.0e-05 FAIL | 2.5e-01 |" in text
+    assert "| 2 | --tp 2 | bf16 | 4.0e-03 pass | 1.0e-02 |" in text and "| 1 | (one process) | bf16 | 1.0e-03 pass | – |" in text
+    assert "| 8 † | --tp 8 | not measured: --tp 8 does not divide --heads 2 |" in text
+    assert "3 blocks × 16 hidden × 2 heads" in text and "M = 2 micro-batches, 3 steps, `--optimizer adamw --ragged`" in text
 
 
 def bare(label, mpi, gloo, kinds):
