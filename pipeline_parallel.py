@@ -24,7 +24,7 @@ the weights' gradients nobody waits for, one slot each; '.' idle):
    rank 0 | F0 F1 F2 .  .  B0 W0 B1 W1 B2 W2
    rank 1 | .  F0 F1 .  B0 F2 B1 W0 B2 W1 W2
    rank 2 | .  .  F0 B0 F1 B1 F2 B2 W0 W1 W2
-   --schedule zbv: two chunks a, b per rank in a V, down the ranks and back up to the loss on rank 0;
+   --schedule zbv: two chunks a, b per rank in a V, down the ranks and back up to rank 0's loss;
    at M = 3 < 2N-1 the greedy lists of zbv_orders (the paper's handcrafted lists need M >= 2N-1)
    rank 0 | F0a F1a F2a .   .   F0b B0b F1b B1b F2b B2b B0a W0a B1a W0b B2a W1a W1b W2a W2b
    rank 1 | .   F0a F1a F2a F0b .   F1b B0b F2b B1b B0a B2b B1a W0a B2a W0b W1a W1b W2a W2b
@@ -35,17 +35,17 @@ the weights' gradients nobody waits for, one slot each; '.' idle):
 The bubble (idle share of the step, equal costs): (N-1)/(M+N-1) for gpipe and 1f1b, (N-1)/(VM+N-1)
 interleaved, 1 - 3M/(2M+N-1+max(M,N)) for zb-h1 (at M >= N a third of 1f1b's idle time) and
 (N-1)/(6M+N-1) for zbv at M >= N, the least possible (its last rank waits for N-1 half stages).
-With zbv's handcrafted lists (M >= 2N-1) no rank idles between its first action and its last, and steps
-back to back leave no bubble at all, the paper's zero; 1f1b and zb-h1 keep theirs (rank 0 idles inside).
-Here the gradient norm's allreduce ends each step, a wait the paper removes too (it validates after the step).
-Peak memory, in micro-batches held from forward to backward (or W): zb-h1 min(M, N), zbv min(2M,
-2N) half stages: no more than 1f1b's on rank 0; interleaved up to (N-1)/V stages more. A dry run
-executes every rank's list of actions on paper before anything is sent: every send meets its
-receive, every input exists before use, no deadlock. Each micro-batch's loss: over the step's valid targets.
+With zbv's handcrafted lists (M >= 2N-1) no rank idles between its first and last action: steps back
+to back leave no bubble, the paper's zero; 1f1b and zb-h1 keep theirs (rank 0 idles inside). Here
+the gradient norm's allreduce ends each step, a wait the paper removes too (it validates after the
+step). Peak memory, in micro-batches held from F to B (or W): zb-h1 min(M, N), zbv min(2M, 2N) half
+stages: no more than 1f1b's on rank 0; interleaved up to (N-1)/V stages more. A dry run executes
+every rank's actions on paper before anything is sent: every send meets its receive, every input
+exists before use, no deadlock. Each micro-batch's loss: over the step's valid targets.
 
 Activations: bytes a micro-batch of b = B/M sequences keeps from F to B per block (s = T, h = H, a
 heads, e = 4 fp32, 2 bf16; Korthikanti et al. 2022), and what --recompute leaves of them:
-   none       bs(8h + 14eh + 16) + abs^2 x (4, or 6 in bf16: softmax's float32 output, its bf16 copy)
+   none       bs(8h + 14eh + 16) + abs^2 x (4, or 6 in bf16: softmax's float32 output + bf16 copy)
    selective  bs(8h + 14eh + 16), that is bs(64h + 16) in fp32, bs(36h + 16) in bf16
    full       4bsh, the block's input (the residual stream is float32 in both)
 plus 8bs + 8s on the first stage (tokens, positions), bs((4+e)h + 4V + 16) + 4 on the last (head,
@@ -56,7 +56,7 @@ Recomputation: torch.utils.checkpoint(fn, *inputs, use_reentrant=True), fn a blo
 attention's scores, mask, softmax and x V (selective: q, k, v kept). The reentrant form keeps fn's
 inputs by save_for_backward, where the saved-tensor hooks that count activations see them (the other
 form hides them), runs fn without autograd and reruns it in backward under the forward's autocast.
-It refuses backward(inputs=): so B is a plain backward that the Linears split (W gets their weights').
+It refuses backward(inputs=): B is a plain backward that the Linears split (W gets their weights').
 
 Precision: --precision bf16 runs forward and loss under torch.autocast(bfloat16) on float32
 parameters, the master weights: autocast casts each to bf16 as a matmul uses it (autograd keeps the
@@ -67,9 +67,9 @@ residual to bf16 (back up on arrival) and its gradient too: half the bytes, for 
 as autocast rounds every matmul input (Megatron sends bf16). MPI, which has no bf16 arithmetic, only
 moves buffers here: each is bf16 in bf16 runs, float32 in fp32.
 
-Communication per step: each of the K stage boundaries between two ranks (N-1; NV-1 interleaved;
-2N-2 in a V) carries M activations forward and M gradients back, each (B/M) x T x H elements of e
-bytes: 2K x B x T x H x e bytes in 2MK point-to-point messages, and the gradient norm's allreduce of 4 bytes.
+Communication per step: each of the K stage boundaries between ranks (N-1; NV-1 interleaved; 2N-2
+in a V) carries M activations forward and M gradients back, each (B/M) x T x H elements of e bytes:
+2K x B x T x H x e bytes in 2MK point-to-point messages, and the gradient norm's 4-byte allreduce.
 
 When to choose it: the model does not fit on one device and the links between devices are slow
 (only activations cross, and only at stage boundaries), with enough micro-batches per batch to
@@ -96,13 +96,13 @@ STRATEGY = "pipeline_parallel"
 # the order of the float32 sums; over the default 60 steps that left at most 2.4e-6 in losses and
 # parameters (M = 2, 8, 16, both schedules, seeds 0-2): an eightfold margin.
 TOLERANCE = 2e-5
-# bf16, both sides autocast and rounding alike (the same micro-batches, the stream rounded at each boundary):
-# SGD, 60 default steps, any schedule, N = 1 to 4: 2.9e-6 at most; the recipe (AdamW 1e-3), 60 steps: 4.4e-3
-# to 1.3e-2, 5.5e-3 at N = 1 (fp32: 1.1e-6): AdamW's steps part in bf16, not the stages. Gradients / N: 1.2e-1.
+# bf16, both sides alike (autocast, same micro-batches, stream rounded at boundaries), 60 default
+# steps: SGD, any schedule, N = 1-4, 2.9e-6 at most; the recipe (AdamW 1e-3) 4.4e-3 to 1.3e-2,
+# 5.5e-3 at N = 1 (fp32: 1.1e-6): AdamW's bf16 steps part, not the stages. Gradients / N: 1.2e-1.
 TOLERANCE_BF16 = 2e-2
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
-VOCAB, IGNORE = 128, -100  # the ASCII codes; F.cross_entropy's ignore_index, for targets past a document's end
-POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
+VOCAB, IGNORE = 128, -100  # ASCII codes; F.cross_entropy's ignore_index, past a document's end
+POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls, leaving the core to ranks that compute
 
 
 # -----------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline,
     rank, last, bf16 = comm.Get_rank(), len(ranks) - 1, precision == "bf16"
     # Every rank makes the whole batch from (seed, step): the last stage counts the valid targets of
     # all M micro-batches itself, before the first forward, and needs no message for it.
-    valid = int((y != IGNORE).sum())  # a number: a tensor divisor would be saved for backward with each loss
+    valid = int((y != IGNORE).sum())  # a number: each loss would save a tensor divisor for backward
     wire = torch.bfloat16 if bf16 else torch.float32  # what crosses a stage boundary, both ways
     chunk = {s: stage[c] for c, s in enumerate(s for s in range(last + 1) if ranks[s] == rank)}
     # Each micro-batch's tokens and targets in storage of their own: the meter counts what the
@@ -146,7 +146,8 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline,
     for k, a in enumerate(actions):
         key, kind = (a.stage, a.mb), a.op[5:]  # kind: "act" or "grad" for a message (recv_act...)
         if a.op in COST:  # post the next receive from another rank before computing
-            upcoming = next((b for b in actions[k + 1:] if b.op.startswith("recv_") and peer(b) != rank), None)
+            upcoming = next((b for b in actions[k + 1:]
+                             if b.op.startswith("recv_") and peer(b) != rank), None)
             if upcoming is not None and upcoming not in recvs:
                 post(upcoming)
         if a.op.startswith("recv_") and peer(a) != rank:  # from this rank: already in `arrived`
@@ -157,7 +158,8 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline,
             arrived[kind, key] = from_mpi(t, buffer)
         elif a.op.startswith("send_"):
             to = a.stage + 1 if kind == "act" else a.stage - 1
-            t = outputs[key].detach().to(wire) if kind == "act" else inputs.pop(key).grad  # a grad: wire's too
+            t = (outputs[key].detach().to(wire) if kind == "act"
+                 else inputs.pop(key).grad)  # a grad: wire's too
             if peer(a) == rank:  # the next stage lives here too (the turn of the V): no message
                 arrived[kind, (to, a.mb)] = t
             else:  # the buffer must stay untouched until the send completes
@@ -168,8 +170,8 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline,
                     torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
                 inp = xs[a.mb] if a.stage == 0 else arrived.pop(("act", key)).requires_grad_()
                 h = inp.float() if a.stage else inp  # the residual stream goes on in float32
-                out = chunk[a.stage](h) if len(chunk[a.stage]) else h.view_as(h)  # no blocks: pass on
-                if a.stage == last:  # in float32, over the step's count: the summed gradients are the batch's
+                out = chunk[a.stage](h) if len(chunk[a.stage]) else h.view_as(h)  # empty: pass on
+                if a.stage == last:  # float32 / the step's count: the gradients sum to the batch's
                     out = micro_batch_loss(out, ys[a.mb], valid)
                     total += out.item()
             inputs[key], outputs[key] = inp, out
@@ -177,9 +179,9 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline,
             grad = None if a.stage == last else arrived.pop(("grad", key)).float()  # as its output
             with timeline.span("compute", f"{a.op[0].upper()}{a.mb}"):
                 outputs.pop(key).backward(grad)
-                if a.op == "backward_input":  # B: the input's gradient and the small weights' (LayerNorm,
-                    # embeddings). Each Linear's backward (LinearWeightsLater, below) gave none for
-                    # its weights but left in chunk.later what W needs: held until W
+                if a.op == "backward_input":  # B: the input's gradient and the small weights'
+                    # (LayerNorm, embeddings). Each Linear's backward (LinearWeightsLater, below)
+                    # gave none for its weights but left in chunk.later what W needs: held until W
                     later[key] = [(meter.hold(key, x_), meter.hold(key, g), w, b)
                                   for x_, g, w, b in chunk[a.stage].later]
                     chunk[a.stage].later.clear()
@@ -201,9 +203,9 @@ def train_step(stage, optimizer, actions, ranks, x, y, m, comm, meter, timeline,
 
 
 def micro_batch_loss(logits, targets, valid):
-    """A micro-batch's part of the step's loss: its cross-entropy summed over its valid targets, over
-    the step's count of them. Over its own count, a micro-batch with fewer valid targets would weigh
-    each more: a different gradient from one process's on the whole batch."""
+    """A micro-batch's part of the step's loss: its cross-entropy summed over its valid targets,
+    over the step's count of them. Over its own count, a micro-batch with fewer valid targets would
+    weigh each more: a different gradient from one process's on the whole batch."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                            reduction="sum") / valid
 
@@ -212,8 +214,9 @@ def global_grad_norm(stage, comm):
     """The norm of the whole model's gradient in float32, each parameter counted once, the same on
     every rank. A parameter lives in one chunk of one rank (zbv's rank 0 holds the first stage and
     the last: two chunks, distinct parameters): each rank adds the squares of every chunk it holds,
-    once, and one allreduce of that float32 over the pipeline's ranks adds the other stages' terms."""
-    squares = torch.stack([p.grad.float().square().sum() for p in stage.parameters()]).sum().reshape(1)
+    once, and one allreduce of that float32 over the pipeline's ranks adds the other stages'."""
+    squares = torch.stack([p.grad.float().square().sum()
+                           for p in stage.parameters()]).sum().reshape(1)
     buffer = mpi_buffer(squares)
     comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
     return from_mpi(squares, buffer).sqrt().item()
@@ -232,7 +235,8 @@ def mpi_buffer(t, nonblocking=False, send=True):
     if CUDA_AWARE and not nonblocking:
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()  # t's queued kernels finish first: those writing it, or (a receive) reading its old memory
+        # t's queued kernels finish first: those writing it, or (a receive) reading its old memory
+        done.synchronize()
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t) if send else host  # copy_ waits for t's kernels
@@ -255,8 +259,9 @@ def check_tags(comm, m, stages):
     """The largest tag, 2 x M x S, must not exceed the library's MPI_TAG_UB (MPI promises 32767)."""
     largest, bound = tag("grad", m - 1, stages - 1, stages), comm.Get_attr(MPI.TAG_UB)
     if largest > bound:
-        raise ConfigError(f"--micro-batches {m} through {stages} stages needs message tags up to {largest}, "
-                          f"above this MPI's bound of {bound}: use --micro-batches {bound // (2 * stages)} or fewer")
+        raise ConfigError(f"--micro-batches {m} through {stages} stages needs message tags up to "
+                          f"{largest}, above this MPI's bound of {bound}: use --micro-batches "
+                          f"{bound // (2 * stages)} or fewer")
 
 
 class LinearWeightsLater(torch.autograd.Function):
@@ -268,7 +273,7 @@ class LinearWeightsLater(torch.autograd.Function):
         if torch.is_autocast_enabled(x.device.type):  # the bf16 copy of x that autocast would keep
             x = x.to(torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x)
-        ctx.weight, ctx.bias, ctx.later = weight, bias, later  # the float32 parameters themselves, for W
+        ctx.weight, ctx.bias, ctx.later = weight, bias, later  # for W: the float32 parameters as is
         return F.linear(x, weight, bias)  # autocast casts weight and bias to bf16 as it uses them
 
     @staticmethod
@@ -294,9 +299,11 @@ class ActivationMeter:
     holding memory at once, and their bytes."""
 
     def __init__(self, stage):
-        self.fixed = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
+        self.fixed = {t.untyped_storage().data_ptr()
+                      for t in [*stage.parameters(), *stage.buffers()]}
         self.parameters = {id(p) for p in stage.parameters()}
-        self.live, self.refs = collections.Counter(), collections.Counter()  # key -> bytes, (key, storage) -> tensors
+        # live: key -> bytes; refs: (key, storage) -> tensors
+        self.live, self.refs = collections.Counter(), collections.Counter()
         self.peak_count = self.peak_bytes = self.per_mb = 0
 
     def hold(self, key, t):
@@ -331,7 +338,8 @@ class ActivationMeter:
                 del self.live[key]
 
     def saving(self, key):
-        return torch.autograd.graph.saved_tensors_hooks(functools.partial(self.hold, key), lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(functools.partial(self.hold, key),
+                                                        lambda t: t)
 
 
 def weight_gradients(work):
@@ -365,13 +373,15 @@ def forward_actions(i, s, last):
 def backward_actions(i, s, last, op="backward"):
     if op == "backward_weight":
         return [Action(op, i, s)]
-    return [Action("recv_grad", i, s)] * (s < last) + [Action(op, i, s)] + [Action("send_grad", i, s)] * (s > 0)
+    return [Action("recv_grad", i, s)] * (s < last) + [Action(op, i, s)] + \
+        [Action("send_grad", i, s)] * (s > 0)
 
 
 def expand(order, last):
     """(op, micro-batch, stage) in the order a rank computes them -> its actions with messages."""
     return [a for op, i, s in order
-            for a in (forward_actions(i, s, last) if op == "forward" else backward_actions(i, s, last, op))]
+            for a in (forward_actions(i, s, last) if op == "forward"
+                      else backward_actions(i, s, last, op))]
 
 
 def gpipe(n, m, rank, v=1):
@@ -426,11 +436,10 @@ def zb_h1(n, m, rank, v=1):
 @functools.cache
 def zbv_orders(n, m):
     """Zero bubble V (Qi et al. 2023) for too few micro-batches for the handcrafted lists, found by
-    list scheduling on equal F, B, W costs: each slot, each rank runs a B whose gradient is in,
-    else a forward whose input is in (the later stage first) while it holds fewer than 2N
-    micro-batch chunks (1F1B's peak, N whole stages), else a pending W. This reaches the fewest
-    slots possible in one step, 6M + N - 1, for M >= N (N <= 4), but leaves gaps inside a rank's
-    busy window."""
+    list scheduling on equal F, B, W costs: each slot, each rank runs a B whose gradient is in, else
+    a forward whose input is in (the later stage first) while it holds fewer than 2N micro-batch
+    chunks (1F1B's peak, N whole stages), else a pending W. This reaches the fewest slots possible
+    in one step, 6M + N - 1, for M >= N (N <= 4), but leaves gaps inside a rank's busy window."""
     last, done, clock = 2 * n - 1, {}, 0
     nxt = {(op, s): 0 for op in COST for s in range(2 * n)}  # the next micro-batch of (op, stage)
     orders, held = [[] for _ in range(n)], [0] * n
@@ -538,10 +547,9 @@ def dry_run(schedules, m, ranks):
     Raises ScheduleError unless every rank runs the forward and the backward (or B and W) of each
     micro-batch through each of its stages once, each after its inputs exist, and every message
     is received. Returns per rank the ideal timeline [(label, start, end)] and the peak number of
-    micro-batch chunks held between forward and backward (or W).
-    """
+    micro-batch chunks held between forward and backward (or W)."""
     n, last = len(schedules), len(ranks) - 1
-    pc, clock, sent = [0] * n, [0] * n, {}  # sent: (kind, receiving stage, mb) -> slot it was sent at
+    pc, clock, sent = [0] * n, [0] * n, {}  # sent: (kind, receiving stage, mb) -> its slot
     have = [set() for _ in range(n)]  # (act|grad, mb, stage) received, (op, mb, stage) computed
     spans, held, peak = [[] for _ in range(n)], [0] * n, [0] * n
     chunk = {s: sorted(t for t in range(last + 1) if ranks[t] == ranks[s]).index(s) for s in range(last + 1)}
@@ -602,7 +610,7 @@ def dry_run(schedules, m, ranks):
 # -----------------------------------------------------------------------------
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees itself and the positions before it."""
-    recompute = "none"  # build_stage gives the ranks' modules --recompute; the reference keeps "none"
+    recompute = "none"  # build_stage gives the ranks' modules --recompute; the reference, "none"
 
     def __init__(self, hidden, heads, seq_len):
         super().__init__()
@@ -690,7 +698,7 @@ def layer_split(layers, stages):
 
 
 def stage_slice(layers, s, stages):
-    """Stage s's modules in the full nn.Sequential: its blocks, the embeddings first, the head last."""
+    """Stage s's modules in the full nn.Sequential: its blocks, the embeddings first, head last."""
     lo, hi = layer_split(layers, stages)[s]
     return slice(0 if s == 0 else lo + 1, layers + 2 if s == stages - 1 else hi + 1)
 
@@ -751,19 +759,19 @@ def make_batch(seed, step, size, seq_len, ragged=False):
 # The run: the optimizer, the learning rate, the step loop, and main() as a table of contents
 # -----------------------------------------------------------------------------
 def make_optimizer(args, parameters):
-    """--optimizer: SGD with momentum 0.9, or AdamW (float32 moments, weight decay on every parameter)."""
+    """--optimizer: SGD, momentum 0.9; or AdamW, float32 moments, weight decay on all parameters."""
     if args.optimizer == "adamw":
         return torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     return torch.optim.SGD(parameters, lr=args.lr, momentum=0.9)
 
 
 def learning_rate(args, step):
-    """A linear warm-up over --warmup-steps W, then --lr, or a cosine from it down towards lr / 10 at
-    --steps: a function of the step alone, so that a resumed run goes on where it was."""
+    """A linear warm-up over --warmup-steps W, then --lr, or a cosine from it down towards lr / 10
+    at --steps: a function of the step alone, so that a resumed run goes on where it was."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     low, progress = args.lr / 10, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    cosine = low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))  # lr at progress 0, lr / 10 at 1
+    cosine = low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))  # lr at 0, lr/10 at 1
     return args.lr if args.lr_schedule == "constant" else cosine
 
 
@@ -772,7 +780,7 @@ def train(args, comm, counted, run, stage, optimizer, actions, ranks, meter, pas
     this rank's losses of the new steps (0 but on the rank of the last stage), their norms (the same
     on every rank), their timings, and the last step's [start, end) on the timeline."""
     loss_rank, losses, norms, records, window = ranks[-1], [], [], [], None
-    norm_comm = counted if args.clip_grad else comm  # without a clip the norm is a report: not counted
+    norm_comm = counted if args.clip_grad else comm  # no clip: the norm is a report, not counted
     for step in range(len(past[0]), args.steps):
         start = time.perf_counter()
         x, y = (t.to(run.device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
@@ -782,22 +790,22 @@ def train(args, comm, counted, run, stage, optimizer, actions, ranks, meter, pas
                                 run.timeline, args.precision, args.clip_grad, norm_comm)
         losses.append(loss), norms.append(norm), records.append(run.timeline.step_record(start))
         window = (start - run.timeline.origin_s, start - run.timeline.origin_s + records[-1]["step_s"])
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print_progress(comm, args, step, comm.bcast(loss, root=loss_rank), records[-1], norm)  # not counted
-        checkpoint_if_due(comm, args, step, lambda: stage_shard(  # the losses: the last stage's rank has them
-            args, stage, optimizer, (list(past[0]) + losses, list(past[1]) + norms) if comm.Get_rank() == loss_rank
-            else None), model_config(args))
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:  # the bcast: not counted
+            print_progress(comm, args, step, comm.bcast(loss, root=loss_rank), records[-1], norm)
+        checkpoint_if_due(comm, args, step, lambda: stage_shard(  # the last stage's rank has losses
+            args, stage, optimizer, (list(past[0]) + losses, list(past[1]) + norms)
+            if comm.Get_rank() == loss_rank else None), model_config(args))
     return losses, norms, records, window
 
 
 def model_config(args):
-    """The network and optimizer a checkpoint belongs to: no grid, so that it resumes on any N, schedule and V."""
+    """The network and optimizer of a checkpoint: no grid, so it resumes on any N, schedule, V."""
     return {"model": "GPT", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
             "seq_len": args.seq_len, "vocab": VOCAB, "optimizer": args.optimizer}
 
 
 def main(argv=None, comm=MPI.COMM_WORLD):
-    """Parse, set up, prove the schedule, train, check, report. Returns the exit status of this rank."""
+    """Parse, set up, prove the schedule, train, check, report. Returns this rank's exit status."""
     try:
         args = parse_args(argv, comm.Get_size())
         check_paths(comm, args)
@@ -813,10 +821,10 @@ def main(argv=None, comm=MPI.COMM_WORLD):
         optimizer = make_optimizer(args, stage.parameters())
         meter = ActivationMeter(stage)
         past, resumed = ([], []), None
-        # Checkpoints: each rank saves its chunks' parameters (blocks; the embeddings on the first stage, the head
-        # on the last) and their optimizer state, whole tensors under the whole model's names, as no block is ever
-        # cut; the last stage's rank adds the losses and norms (stage_shard). At another N, schedule or V,
-        # layer_split cuts the stack anew and each rank asks for its new stages' tensors alone, from the files.
+        # Checkpoints: each rank saves its chunks' parameters (blocks; the first stage's embeddings,
+        # the last's head) and optimizer state, whole tensors under the model's names (no block is
+        # cut); the last stage's rank adds losses and norms (stage_shard). At another N, schedule or
+        # V, layer_split cuts the stack anew; each rank reads only its new stages' tensors.
         if args.resume:
             resumed, blocks = load_checkpoint(comm, args.save, model_config(args), stage_regions(stage, optimizer),
                                               args.steps)
