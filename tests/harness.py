@@ -197,3 +197,21 @@ def planted(monkeypatch, module, name, old, new):
     scope = {}
     exec(compile(source.replace(old, new), module.__file__, "exec"), vars(module), scope)
     monkeypatch.setattr(module, name, scope[name])
+
+
+def assert_ragged_batch_is_the_plain_one_cut(module, seq_len=24):
+    """module.make_batch without ragged: the slices at the starts, nothing more drawn; with it, the same
+    text cut after a document of 1 to seq_len characters in each sequence, its length drawn next from
+    the same generator: inputs 0 and targets IGNORE (-100, F.cross_entropy's ignore_index) past it."""
+    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)  # seed 5, step 7, as make_batch seeds it
+    data, t = module.load_text(), seq_len
+    starts = torch.randint(len(data) - t - 1, (6,), generator=gen).tolist()
+    x, y = module.make_batch(5, 7, 6, t)
+    assert torch.equal(x, torch.stack([data[o:o + t] for o in starts]))
+    assert torch.equal(y, torch.stack([data[o + 1:o + t + 1] for o in starts]))
+    lengths = torch.randint(1, t + 1, (6,), generator=gen).tolist()
+    rx, ry = module.make_batch(5, 7, 6, t, ragged=True)
+    for row, length in enumerate(lengths):
+        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
+        assert (rx[row, length:] == 0).all() and (ry[row, length:] == -100).all()
+    assert module.IGNORE == -100 and len(set(lengths)) > 1

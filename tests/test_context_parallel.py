@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import context_parallel as cp
-from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, receive_waits_for_queued_kernels, step_2_of, sub_comm, world
+from harness import (SIZES, agree, assert_ragged_batch_is_the_plain_one_cut, assert_refused, clean_env, last_json,
+                     launch, max_everywhere, receive_waits_for_queued_kernels, step_2_of, sub_comm, world)
 
 CPU = torch.device("cpu")
 VARIANTS = [("ring", True), ("ring", False), ("allgather", True), ("alltoall", True)]  # (--cp-comm, overlap)
@@ -431,20 +432,7 @@ def test_a_receive_into_gpu_memory_waits_alone_for_the_kernels_queued_before(mon
 
 # --- --ragged: documents of uneven length, the loss over the valid targets of the whole step ------
 def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
-    """Without --ragged the batch is the one drawn before (starts alone); with it, the same text cut
-    after a document of 1 to T characters in each sequence: targets IGNORE and inputs 0 past it."""
-    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
-    data, t = cp.load_text(), 24
-    starts = torch.randint(len(data) - t - 1, (6,), generator=gen).tolist()
-    x, y = cp.make_batch(5, 7, 6, t)
-    assert torch.equal(x, torch.stack([data[o:o + t] for o in starts]))
-    assert torch.equal(y, torch.stack([data[o + 1:o + t + 1] for o in starts]))
-    lengths = torch.randint(1, t + 1, (6,), generator=gen)  # drawn next, from the same generator
-    rx, ry = cp.make_batch(5, 7, 6, t, ragged=True)
-    for row, length in enumerate(lengths.tolist()):
-        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
-        assert (rx[row, length:] == 0).all() and (ry[row, length:] == cp.IGNORE).all()
-    assert len(set(lengths.tolist())) > 1
+    assert_ragged_batch_is_the_plain_one_cut(cp)
 
 
 def ragged_counts(args, comm):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import expert_parallel as ep
-from harness import agree, clean_env, last_json, launch, max_everywhere, receive_waits_for_queued_kernels, sub_comm, world
+from harness import (agree, assert_ragged_batch_is_the_plain_one_cut, clean_env, last_json, launch, max_everywhere,
+                     receive_waits_for_queued_kernels, sub_comm, world)
 
 CPU = torch.device("cpu")
 # 12 sequences split over 1, 2, 3 or 4 ranks; 4 experts (6 at N = 3, so that --ep 3 divides them).
@@ -563,21 +564,7 @@ def test_a_norm_that_counts_a_replica_more_than_once_fails_the_check(monkeypatch
 
 # --- --ragged: documents of uneven length, the loss over the valid targets of the whole step ------
 def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
-    """Without --ragged the batch is the one drawn before (the starts alone); with it, the same text cut
-    after a document of 1 to T characters in each sequence: targets IGNORE (F.cross_entropy's default
-    ignore_index) and inputs 0 past it."""
-    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
-    data, t = ep.load_text(), 24
-    starts = torch.randint(len(data) - t - 1, (6,), generator=gen).tolist()
-    x, y = ep.make_batch(5, 7, 6, t)
-    assert torch.equal(x, torch.stack([data[o:o + t] for o in starts]))
-    assert torch.equal(y, torch.stack([data[o + 1:o + t + 1] for o in starts]))
-    lengths = torch.randint(1, t + 1, (6,), generator=gen)  # drawn next, from the same generator
-    rx, ry = ep.make_batch(5, 7, 6, t, ragged=True)
-    for row, length in enumerate(lengths.tolist()):
-        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
-        assert (rx[row, length:] == 0).all() and (ry[row, length:] == -100).all()
-    assert ep.IGNORE == -100 and len(set(lengths.tolist())) > 1
+    assert_ragged_batch_is_the_plain_one_cut(ep)
 
 
 def ragged_counts(args, comm):

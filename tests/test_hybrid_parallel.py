@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hybrid_parallel as hp
-from harness import agree, clean_env, last_json, launch, max_everywhere, sub_comm, world
+from harness import (agree, assert_ragged_batch_is_the_plain_one_cut, clean_env, last_json, launch, max_everywhere,
+                     sub_comm, world)
 
 CPU = torch.device("cpu")
 # 5 blocks: 2 stages take 3 + 2, 4 stages 2 + 1 + 1 + 1 (uneven); 4 heads: tp 1, 2 and 4 divide them.
@@ -576,21 +577,7 @@ def test_negative_control_a_norm_that_counts_a_parameter_wrongly_or_a_schedule_o
 # --ragged: documents of uneven length, the loss over the valid targets of the whole step
 # -----------------------------------------------------------------------------
 def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
-    """Without --ragged the batch is the one drawn before (the starts alone); with it, the same text cut after
-    a document of 1 to S characters in each sequence, drawn next from the same generator: inputs 0 and targets
-    IGNORE past it."""
-    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
-    data, t = hp.load_text(), 16
-    starts = torch.randint(len(data) - t - 1, (6,), generator=gen).tolist()
-    x, y = hp.make_batch(5, 7, 6, t)
-    assert torch.equal(x, torch.stack([data[o:o + t] for o in starts]))
-    assert torch.equal(y, torch.stack([data[o + 1:o + t + 1] for o in starts]))
-    lengths = torch.randint(1, t + 1, (6,), generator=gen).tolist()
-    rx, ry = hp.make_batch(5, 7, 6, t, ragged=True)
-    for row, length in enumerate(lengths):
-        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
-        assert (rx[row, length:] == 0).all() and (ry[row, length:] == hp.IGNORE).all()
-    assert len(set(lengths)) > 1 and 0 not in data  # uneven; an input 0 is padding alone
+    assert_ragged_batch_is_the_plain_one_cut(hp, seq_len=16)
 
 
 def local_counts(args, comm, pp, dp, cp, tp):

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import sharded_data_parallel as zp
-from harness import SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, planted, sub_comm, world
+from harness import (SIZES, agree, assert_ragged_batch_is_the_plain_one_cut, assert_refused, clean_env, last_json,
+                     launch, max_everywhere, planted, sub_comm, world)
 
 CPU = torch.device("cpu")
 # hidden 10, 9 positions: the embedding layer has 1370 parameters and the head 1300, which 3 and 4
@@ -236,20 +237,7 @@ def test_a_norm_of_a_part_of_the_gradient_makes_the_check_fail(plant, size, stag
 
 # --- --ragged: documents of uneven length, the loss over the valid targets of the whole step ------
 def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
-    """Without --ragged the batch is the one drawn before (starts alone); with it, the same text cut
-    after a document of 1 to s characters in each sequence: targets IGNORE and inputs 0 past it."""
-    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
-    data, s = zp.load_text(), 24
-    starts = torch.randint(len(data) - s - 1, (6,), generator=gen).tolist()
-    x, y = zp.make_batch(5, 7, 6, s)
-    assert torch.equal(x, torch.stack([data[o:o + s] for o in starts]))
-    assert torch.equal(y, torch.stack([data[o + 1:o + s + 1] for o in starts]))
-    lengths = torch.randint(1, s + 1, (6,), generator=gen)  # drawn next, from the same generator
-    rx, ry = zp.make_batch(5, 7, 6, s, ragged=True)
-    for row, length in enumerate(lengths.tolist()):
-        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
-        assert (rx[row, length:] == 0).all() and (ry[row, length:] == zp.IGNORE).all()
-    assert len(set(lengths.tolist())) > 1
+    assert_ragged_batch_is_the_plain_one_cut(zp)
 
 
 def ragged_counts(args, comm):

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import tensor_parallel as tp
-from harness import (SIZES, agree, assert_refused, clean_env, last_json, launch, max_everywhere, planted, settle,
-                     sub_comm, world)
+from harness import (SIZES, agree, assert_ragged_batch_is_the_plain_one_cut, assert_refused, clean_env, last_json,
+                     launch, max_everywhere, planted, settle, sub_comm, world)
 
 CPU = torch.device("cpu")
 # One layer against nn.Linear: the same products, sums over a few dozen terms reordered across
@@ -981,20 +981,7 @@ def test_adamw_resumes_on_another_grid_as_the_uninterrupted_run_and_a_restarted_
 
 # --- --ragged: documents of uneven length, the loss over the valid targets -------------------------
 def test_ragged_batches_cut_documents_and_leave_the_plain_batch_as_it_was():
-    """Without --ragged the batch is the one drawn before (starts alone); with it, the same text cut
-    after a document of 1 to T characters in each sequence: targets IGNORE and inputs 0 past it."""
-    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
-    data, t = tp.load_text(), 24
-    starts = torch.randint(len(data) - t - 1, (6,), generator=gen).tolist()
-    x, y = tp.make_batch(5, 7, 6, t)
-    assert torch.equal(x, torch.stack([data[o:o + t] for o in starts]))
-    assert torch.equal(y, torch.stack([data[o + 1:o + t + 1] for o in starts]))
-    lengths = torch.randint(1, t + 1, (6,), generator=gen)  # drawn next, from the same generator
-    rx, ry = tp.make_batch(5, 7, 6, t, ragged=True)
-    for row, length in enumerate(lengths.tolist()):
-        assert torch.equal(rx[row, :length], x[row, :length]) and torch.equal(ry[row, :length], y[row, :length])
-        assert (rx[row, length:] == 0).all() and (ry[row, length:] == tp.IGNORE).all()
-    assert len(set(lengths.tolist())) > 1 and tp.IGNORE == -100
+    assert_ragged_batch_is_the_plain_one_cut(tp)
 
 
 @pytest.mark.mpi
