@@ -101,7 +101,7 @@ mpi4py.rc.finalize = True  # and ends when the process does
 from mpi4py import MPI  # noqa: E402
 
 STRATEGY = "hybrid_parallel"
-TOLERANCE, TOLERANCE_BF16 = 2e-5, 1e-1  # the check's largest |difference|, float32 and bf16: measured (above check())
+TOLERANCE, TOLERANCE_BF16 = 2e-5, 2e-2  # the check's largest |difference|, float32 and bf16: measured (above check())
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls, leaving the core to ranks that compute
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB, IGNORE = 128, -100  # the ASCII codes; a target past a document's end (--ragged): ignored
@@ -1124,16 +1124,19 @@ MOMENTS = {"sgd": {"momentum": "momentum_buffer"}, "adamw": {"exp_avg": "exp_avg
 # up to 8.0e-7; experts (the tests' 3 steps) with each axis at N = 4 2.1e-7 to 4.8e-7, all five on 16 ranks 3.3e-7; the
 # recipe (AdamW at lr 1e-3, a clip of 1 that acts, warm-up 1, cosine; the tests' 3 steps; the norms compared as losses):
 # --pp 2 --tp 2 --sequence-parallel 2.2e-6, --dp 2 --tp 2 --zero-stage 1 1.6e-6, --dp 4 --ep 2 with experts 8.6e-7.
-# tensor's and pipeline's 2e-5 kept: a 10x nudge shows. bf16, both sides under autocast: the tests' runs (3 steps, grids
-# of 1, 2, 4 ranks, sequence-parallel, contiguous, ZeRO-1) 5.5e-4 to 1.3e-3; the default 40 steps on an AVX2 CPU: --tp 2
-# 3.2e-2, --pp 2 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp 2 4.6e-2; on an AVX-512 BF16 CPU 0.32, 0.14, 0.21, 0.18 and
-# 8.8e-2 in one process, past it (the matrix's 3 steps of the recipe: 4.0e-3 at most); the recipe's 3 steps: --pp 2 --tp 2 --sequence-parallel 3.0e-3,
-# --dp 2 --cp 2 3.4e-3, --pp 2 --dp 2 --zero-stage 1 2.9e-3. A 1/N fault: 0.16. --ragged with the recipe (the tests'
-# 3 steps): --dp 2, --tp 2 --sequence-parallel, --pp 2, --cp 2, --dp 2 --ep 2, --pp 2 --dp 2 --zero-stage 1 5.3e-7 to
-# 8.5e-7; bf16 --dp 2 --cp 2 --zero-stage 1 3.5e-3; each rank over its own count x D x C: 6.8e-2 (--dp 2), 1.7e-2
-# (--cp 2). At lr 1e-2 AdamW's first step magnifies float32 order where a gradient is near its eps (1e-8): --ragged,
-# 3 blocks of hidden 16, 3 steps, one process: 3.0e-5 (an out.weight gradient of 2.0e-8, 1% off F.cross_entropy's);
-# at lr 1e-3, 3.0e-6.
+# tensor's and pipeline's 2e-5 kept: a 10x nudge shows. --ragged with the recipe (the tests' 3 steps): --dp 2, --tp 2
+# --sequence-parallel, --pp 2, --cp 2, --dp 2 --ep 2, --pp 2 --dp 2 --zero-stage 1 5.3e-7 to 8.5e-7; each rank over its own
+# count x D x C: 6.8e-2 (--dp 2), 1.7e-2 (--cp 2). At lr 1e-2 AdamW's first step magnifies float32 order where a gradient
+# is near its eps (1e-8): --ragged, 3 blocks of hidden 16, 3 steps, one process: 3.0e-5 (an out.weight gradient of 2.0e-8,
+# 1% off F.cross_entropy's); at lr 1e-3, 3.0e-6.
+# bf16, both sides under autocast: the tests' runs (3 steps, grids of 1, 2, 4 ranks, sequence-parallel, contiguous,
+# ZeRO-1) 5.5e-4 to 1.3e-3; the recipe's 3 steps 2.9e-3 to 3.5e-3 (--ragged too); the exactness matrix (bench/run.py,
+# 20 grids, the recipe) 4.0e-3 at most: 2e-2 holds them 5x, and a 1/N fault (0.16) is 8x past it. The default 40 steps
+# (SGD at lr 0.1) exceed it: on an AVX2 CPU --tp 2 3.2e-2, --pp 2 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp 2 4.6e-2; on
+# an AVX-512 BF16 one 0.32, 0.14, 0.21, 0.18, and 8.8e-2 in one process. The ranks round in other places than the
+# reference (its whole batch in one backward, its nn.Linear; the ranks' micro-batches, stage boundaries, partial
+# products): accumulating the same micro-batches and rounding at the same boundaries in the reference measured 0.32 ->
+# 0.18 (--tp 2), 0.14 -> 4.9e-2 (--pp 2), 8.8e-2 -> 3.2e-2 (one process), not enough to hold the default run.
 def check(comm, args, device, losses, norms, stage, counted):
     """Rank 0 trains the reference and broadcasts it; each rank cuts it as its stage was, compares; all get the max."""
     reference, (ref_losses, ref_norms, trained) = build_model(args), reference_training(args, device) if comm.Get_rank() == 0 else [None] * 3

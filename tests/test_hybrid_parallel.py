@@ -425,7 +425,7 @@ def test_recomputation_keeps_what_the_formula_says_with_the_same_losses(pp, dp, 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_gradients_divided_once_more_by_n_fail_the_check(precision, monkeypatch):
     """Negative control for the data axis: the averaged gradients planted to be divided by N = D x C once more.
-    At N = 2 the check must report more than the precision's tolerance."""
+    At N = 2 the check must report at least 5x the precision's tolerance (bf16: 0.16 measured)."""
     real = hp.GradBuckets.finish
 
     def finish_and_divide(buckets):
@@ -436,7 +436,7 @@ def test_gradients_divided_once_more_by_n_fail_the_check(precision, monkeypatch)
     with sub_comm(2) as comm:
         if comm is not None:
             diff = train_on(comm, 1, 2, 1, 1, ["--precision", precision])[1]
-            assert max_everywhere(diff, comm) > (hp.TOLERANCE_BF16 if precision == "bf16" else hp.TOLERANCE), diff
+            assert max_everywhere(diff, comm) > 5 * (hp.TOLERANCE_BF16 if precision == "bf16" else hp.TOLERANCE), diff
 
 
 @pytest.mark.mpi
