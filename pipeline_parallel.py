@@ -877,6 +877,7 @@ def reference_training(args, device=torch.device("cpu"), stages=1):
     runs. Returns the losses, the trained model and the gradient norms."""
     model, lr, warmup, m = build_model(args).to(device), args.lr, args.warmup_steps, args.micro_batches
     wire = torch.bfloat16 if args.precision == "bf16" else torch.float32  # as the ranks send it
+    cuts = {stage_slice(args.layers, s, stages).start for s in range(1, stages)}  # where they send it
     optimizer = (torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
                  if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     decay = [lr if args.lr_schedule == "constant" else lr / 10 + 0.5 * (lr - lr / 10) * (
@@ -889,8 +890,8 @@ def reference_training(args, device=torch.device("cpu"), stages=1):
         for i in reversed(range(m)) if args.schedule == "gpipe" else range(m):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 h = x.chunk(m)[i]
-                for s in range(stages):
-                    h = model[stage_slice(args.layers, s, stages)](h.to(wire).float() if s else h)
+                for j, module in enumerate(model):  # the uncut model: a split that drops a layer shows
+                    h = module(h.to(wire).float() if j in cuts else h)
                 logits, targets = h.float().flatten(0, 1), y.chunk(m)[i].flatten()
                 loss = F.cross_entropy(logits, targets, ignore_index=-100) * (targets != -100).sum() / (y != -100).sum()
             loss.backward()
@@ -993,8 +994,7 @@ def report(comm, args, run, ideal, ranks, stage, losses, norms, records, window,
              f"{formula:,} with K = {crossings} stage boundaries between ranks | "
              + (f"{collectives:g} allreduce of {summed:g} bytes over all ranks (the norm, for --clip-grad)"
                 if collectives else "no collective in the step (the norm, a report, is not counted)")]
-    compared = "losses, gradient norms, parameters" if args.precision == "fp32" else "losses, parameters"
-    return finish(comm, args, run, losses, records, diff, compared, lines, {
+    return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters", lines, {
         "comm_bytes_per_step": sent + summed, "collectives_per_step": collectives, "schedule": args.schedule,
         "grad_norms": norms,
         "micro_batches": m, "virtual_stages": v, "messages_per_step": messages,
