@@ -28,6 +28,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -217,22 +218,42 @@ def vector_counts(spec, size):
 
 class GlooRequest(MPI.Request):
     """An mpi4py request (so that a strategy's counting wrapper times its Wait as MPI's) over a gloo
-    work; holds the tensors until the work is done, and runs `then` (a copy out) once after it."""
+    work; holds the tensors until the work is done, and runs `then` (a copy out) once after it.
 
-    def __new__(cls, work, tensors=(), then=None):
+    Test must tell a finished exchange without waiting for it: the scripts' ranks poll with Test and
+    sleep between polls when they outnumber the cores. gloo's allreduce, broadcast and all-gather say
+    they are done through is_completed(); its reduce-scatter, send and receive never do (torch 2.13:
+    only wait() ends them, so a rank that polled them waited forever, which hung every job at N = 4
+    on 2 cores). Those are waited for on a thread of their own, which marks them done (polled=False)."""
+
+    def __new__(cls, work, tensors=(), then=None, polled=True):
         request = super().__new__(cls)
-        request.work, request.tensors, request.then = work, tensors, then
+        request.work, request.tensors, request.then, request.waiter, request.failure = work, tensors, then, None, None
+        if not polled:
+            request.waiter = threading.Thread(target=request.wait_on_thread, daemon=True)
+            request.waiter.start()
         return request
 
+    def wait_on_thread(self):
+        try:
+            self.work.wait()  # lets go of the GIL while it waits
+        except Exception as e:  # raised again by Wait, on the rank's own thread
+            self.failure = e
+
     def Test(self, status=None):
-        if self.work is not None and not self.work.is_completed():
+        if self.work is not None and (self.waiter.is_alive() if self.waiter else not self.work.is_completed()):
             return False
         self.Wait()  # once done: the tensors let go, the copy out made (a done request stays done)
         return True
 
     def Wait(self, status=None):
         if self.work is not None:
-            self.work.wait()
+            if self.waiter is None:
+                self.work.wait()
+            else:  # wait() once only: a second one on a finished send or receive waits for another
+                self.waiter.join()
+                if self.failure is not None:
+                    raise self.failure
             self.work, self.tensors = None, ()
             if self.then is not None:
                 self.then()
@@ -307,7 +328,7 @@ class GlooComm:
             whole, out, then = as_tensor(sendbuf).reshape(-1), received.view(-1), None
         options = dist.ReduceScatterOptions()
         options.reduceOp = gloo_op(op)
-        return GlooRequest(self.group._reduce_scatter_base(out, whole, options), (whole, out), then)
+        return GlooRequest(self.group._reduce_scatter_base(out, whole, options), (whole, out), then, polled=False)
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
         self.Ireduce_scatter_block(sendbuf, recvbuf, op).Wait()
@@ -326,13 +347,13 @@ class GlooComm:
     # Messages: gloo matches them by (peer, tag) as MPI does.
     def Isend(self, buf, dest, tag=0):
         t = as_tensor(buf)
-        return GlooRequest(self.group.send([t.view(-1)], dest, tag), (t,))
+        return GlooRequest(self.group.send([t.view(-1)], dest, tag), (t,), polled=False)
 
     def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
         if source == MPI.ANY_SOURCE or tag == MPI.ANY_TAG:
             raise NotImplementedError("Irecv on gloo needs its source and tag")
         t = as_tensor(buf)
-        return GlooRequest(self.group.recv([t.view(-1)], source, tag), (t,))
+        return GlooRequest(self.group.recv([t.view(-1)], source, tag), (t,), polled=False)
 
     def Send(self, buf, dest, tag=0):
         self.Isend(buf, dest, tag).Wait()

@@ -4,6 +4,8 @@ it; and bench/report.py's verdict rule."""
 import contextlib
 import io
 import json
+import sys
+import time
 
 import pytest
 import torch
@@ -207,6 +209,63 @@ def test_a_chunk_misplaced_by_the_shim_is_caught(tmp_path, monkeypatch):
         if comm is not None:
             wrong = differing(comm, shim(comm, tmp_path), exact=False)
         assert agree(wrong == planted), wrong
+
+
+POLL_DEADLINE_S = 20  # a finished exchange shows within milliseconds; past this, Test is taken never to say so
+
+
+def unfinished_when_polled(comm):
+    """The names of the non-blocking exchanges that Test alone never reported done on some rank, as the
+    scripts poll when their ranks outnumber the cores (each then waited for, so that the ranks stay in step)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    vector, part = torch.ones(size * 64), torch.empty(64)
+    posted = {"iallreduce": lambda: comm.Iallreduce(MPI.IN_PLACE, vector.clone(), op=MPI.SUM),
+              "ibcast": lambda: comm.Ibcast(vector.clone(), root=0),
+              "iallgather": lambda: comm.Iallgather(MPI.IN_PLACE, vector.clone()),
+              "ireduce_scatter": lambda: comm.Ireduce_scatter_block(vector.clone(), part, op=MPI.SUM),
+              "isend_irecv": lambda: [comm.Irecv(part, source=(rank - 1) % size, tag=5),
+                                      comm.Isend(vector[:64].clone(), dest=(rank + 1) % size, tag=5)]}
+    unfinished = set()
+    for name, post in posted.items():
+        requests, start = post(), time.perf_counter()
+        requests = requests if isinstance(requests, list) else [requests]
+        while not all([r.Test() for r in requests]):
+            if time.perf_counter() - start > POLL_DEADLINE_S:
+                unfinished.add(name)
+                break
+            time.sleep(1e-4)
+        for r in requests:
+            r.Wait()
+    return sorted(set().union(*comm.allgather(unfinished)))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_every_exchange_through_gloo_reports_itself_done_to_test(size, tmp_path):
+    """A rank that polls (Test, then sleep) must see its exchange end: gloo's reduce-scatter, send and
+    receive never say so themselves, and polling them hung the bench's jobs at N = 4 on 2 cores. The
+    shim waits for those on a thread; without it (below) the same polls never end."""
+    with sub_comm(size) as comm:
+        unfinished = []
+        if comm is not None:
+            unfinished = unfinished_when_polled(shim(comm, tmp_path))
+        assert agree(not unfinished), unfinished
+
+
+@pytest.mark.mpi
+def test_polling_gloos_own_completion_is_caught(tmp_path, monkeypatch):
+    """The negative control: the shim's former Test (gloo's is_completed() for every exchange)."""
+    made = worker.GlooRequest.__new__
+
+    def polled_always(cls, work, tensors=(), then=None, polled=True):
+        return made(cls, work, tensors, then)
+    monkeypatch.setattr(worker.GlooRequest, "__new__", polled_always)
+    monkeypatch.setattr(sys.modules[__name__], "POLL_DEADLINE_S", 1)  # what never ends, given a second
+    with sub_comm(2) as comm:
+        unfinished = ["ireduce_scatter", "isend_irecv"]
+        if comm is not None:
+            unfinished = unfinished_when_polled(shim(comm, tmp_path))
+        assert agree(unfinished == ["ireduce_scatter", "isend_irecv"]), unfinished
 
 
 def run_data_parallel(comm, *flags):
