@@ -224,14 +224,13 @@ class GlooRequest(MPI.Request):
     sleep between polls when they outnumber the cores. gloo's allreduce, broadcast and all-gather say
     they are done through is_completed(); its reduce-scatter, send and receive never do (torch 2.13:
     only wait() ends them, so a rank that polled them waited forever, which hung every job at N = 4
-    on 2 cores). Those are waited for on a thread of their own, which marks them done (polled=False)."""
+    on 2 cores). Those (polled=False) are waited for on a thread of their own from the first Test on,
+    which marks them done; a request only waited for starts no thread."""
 
     def __new__(cls, work, tensors=(), then=None, polled=True):
         request = super().__new__(cls)
-        request.work, request.tensors, request.then, request.waiter, request.failure = work, tensors, then, None, None
-        if not polled:
-            request.waiter = threading.Thread(target=request.wait_on_thread, daemon=True)
-            request.waiter.start()
+        request.work, request.tensors, request.then, request.polled = work, tensors, then, polled
+        request.waiter, request.failure = None, None
         return request
 
     def wait_on_thread(self):
@@ -241,6 +240,9 @@ class GlooRequest(MPI.Request):
             self.failure = e
 
     def Test(self, status=None):
+        if self.work is not None and not self.polled and self.waiter is None:
+            self.waiter = threading.Thread(target=self.wait_on_thread, daemon=True)
+            self.waiter.start()
         if self.work is not None and (self.waiter.is_alive() if self.waiter else not self.work.is_completed()):
             return False
         self.Wait()  # once done: the tensors let go, the copy out made (a done request stays done)
