@@ -292,26 +292,26 @@ class Linear(nn.Linear):
 
 
 class ActivationMeter:
-    """What autograd really holds for each (stage, micro-batch) between its forward and its
-    backward (or W): every tensor saved for backward is counted by storage from the moment it is
-    saved until the last reference to it dies (a weakref finalizer), parameters, buffers and
-    autocast's bf16 copies of parameters left out. Peak: the most (stage, micro-batch) pairs
-    holding memory at once, and their bytes."""
+    """What autograd really holds for each (stage, micro-batch) between its forward and its backward
+    (or W), in a run's first step (each step holds the same; its hooks cost Python time on every
+    saved tensor, so later steps run without them, `on` False): every saved tensor counted by storage
+    until the last reference to it dies (a weakref finalizer), parameters, buffers and autocast's
+    bf16 copies of them left out. Peak: the most (stage, micro-batch) pairs at once, and their bytes."""
 
     def __init__(self, stage):
         self.fixed = {t.untyped_storage().data_ptr()
                       for t in [*stage.parameters(), *stage.buffers()]}
         self.parameters = {id(p) for p in stage.parameters()}
         # live: key -> bytes; refs: (key, storage) -> tensors
-        self.live, self.refs = collections.Counter(), collections.Counter()
+        self.live, self.refs, self.on = collections.Counter(), collections.Counter(), True
         self.peak_count = self.peak_bytes = self.per_mb = 0
 
     def hold(self, key, t):
         """Count t for key until the object returned (an alias of t) is freed."""
         storage = t.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()
-        if ptr in self.fixed or self.parameter_copy(t):
-            return t
+        if not self.on or ptr in self.fixed or self.parameter_copy(t):
+            return t if self.on else t.detach()  # off: the alias, uncounted
         alias = t.detach()
         self.refs[key, ptr] += 1
         if self.refs[key, ptr] == 1:
@@ -338,8 +338,8 @@ class ActivationMeter:
                 del self.live[key]
 
     def saving(self, key):
-        return torch.autograd.graph.saved_tensors_hooks(functools.partial(self.hold, key),
-                                                        lambda t: t)
+        hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self.hold, key), lambda t: t)
+        return hooks if self.on else contextlib.nullcontext()
 
 
 def weight_gradients(work):
@@ -782,7 +782,7 @@ def train(args, comm, counted, run, stage, optimizer, actions, ranks, meter, pas
     loss_rank, losses, norms, records, window = ranks[-1], [], [], [], None
     norm_comm = counted if args.clip_grad else comm  # no clip: the norm is a report, not counted
     for step in range(len(past[0]), args.steps):
-        start = time.perf_counter()
+        start, meter.on = time.perf_counter(), step == len(past[0])  # the meter: the first step only
         x, y = (t.to(run.device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
         for settings in optimizer.param_groups:
             settings["lr"] = learning_rate(args, step)
