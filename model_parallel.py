@@ -102,10 +102,10 @@ STRATEGY = "model_parallel"
 # Only the gradient norm reorders a sum here (AdamW, clipped: 4.8e-7 in 3 steps, 1.4e-6 in 60), but
 # ranks on another thread count or device than the reference's could, as micro-batches do there.
 TOLERANCE = 2e-5
-# bf16, both sides: 0 at N = 1..4 too; the reference at 1 and 2 threads differed by 3.9e-4 over 5
-# default steps (fp32: 4.8e-7): a weight's float32 rounding that crosses a bf16 boundary moves its
-# bf16 copy by 2^-8. Ten times that. AdamW over 60 steps exceeds it: 7.5e-3 (the reference: 5.0e-3).
-TOLERANCE_BF16 = 4e-3
+# bf16, both sides: 0 at N = 1..4 too; threads alone part the reference by 3.9e-4 in 5 steps (a float32
+# rounding that crosses a bf16 boundary), which AdamW grows where a gradient is mostly rounding (docs/
+# results.md): 60 steps, clip 1, cosine, 6.0e-3 to 8.3e-3 on AVX-512 BF16. The 1/N plant: 13x above.
+TOLERANCE_BF16 = 2e-2
 SOURCES = ("argparse", "textwrap", "shlex")  # standard library modules whose source is the text
 VOCAB = 128  # the ASCII codes
 POLL_S = 1e-4  # a rank waiting on MPI sleeps between polls and leaves the core to ranks that compute
@@ -643,6 +643,9 @@ def reference_training(args, device=torch.device("cpu")):
         losses.append(loss.item())
     return losses, model, norms
 
+# The gradient norms count as the losses do, but as |norm - reference| / max(reference, 1): bf16
+# rounds a norm in proportion to its size (a norm of 2.97 came 1.7e-2 apart, 0.6%, in model_parallel.py's
+# 60 default steps with AdamW at N = 1; docs/results.md, "The recipe at each file's default sizes").
 def check(comm, args, losses, norms, stage, reference=None, device=torch.device("cpu")):
     """Rank 0 trains the reference on its device (or takes `reference`, its losses, model and norms)
     and compares the losses, the gradient norms and every stage, which each rank sends it in turn:
@@ -650,7 +653,8 @@ def check(comm, args, losses, norms, stage, reference=None, device=torch.device(
     diff = None
     if comm.Get_rank() == 0:
         ref_losses, ref_model, ref_norms = reference or reference_training(args, device)
-        losses, ref_losses = losses + norms, ref_losses + ref_norms  # the norms count as the losses do
+        scaled = [(n / max(r, 1), r / max(r, 1)) for n, r in zip(norms, ref_norms)]  # the norms: relative (above)
+        losses, ref_losses = losses + [n for n, _ in scaled], ref_losses + [r for _, r in scaled]
         diff = max_difference(losses, stage.state_dict(), ref_losses, ref_model)
         for r in range(1, comm.Get_size()):
             part = stage_of(ref_model, r, comm.Get_size()).state_dict()  # r's part of the reference

@@ -76,7 +76,8 @@ def check_against_reference(comm, size, precision="fp32"):
         losses, norms, stage, _ = train_split(args, comm)
         reference = mp.reference_training(args)  # every rank's own, to compare without check()
         ref_stage = mp.stage_of(reference[1], comm.Get_rank(), size)
-        diff = max([abs(a - b) for a, b in zip(losses + norms, reference[0] + reference[2], strict=True)] +
+        diff = max([abs(a - b) for a, b in zip(losses, reference[0], strict=True)] +  # the norms relative past 1
+                   [abs(a / max(b, 1) - b / max(b, 1)) for a, b in zip(norms, reference[2], strict=True)] +
                    [(p - q).abs().max().item()
                     for p, q in zip(stage.parameters(), ref_stage.parameters(), strict=True)])
         diff = max_everywhere(diff, comm)
@@ -119,7 +120,7 @@ def nudged_checks(comm, size, precision="fp32"):
     moved[len(moved) // 2] += nudge
     found["loss"] = mp.check(comm, args, moved, norms, stage, reference)
     moved = list(norms)
-    moved[-1] -= nudge
+    moved[-1] -= nudge * max(norms[-1], 1)  # the norms are compared relative to their size past 1
     found["norm"] = mp.check(comm, args, losses, moved, stage, reference)
     return found, sum(counts)
 
@@ -140,7 +141,8 @@ def test_check_reports_every_nudged_parameter_and_loss(size, precision):
 def test_a_boundary_gradient_divided_by_n_fails_the_bf16_check(plant, monkeypatch):
     """The planted bug: every gradient a stage receives from the next one is divided by N before its
     backward (the last stage's loss.backward() takes none), so the earlier stages learn at half the
-    rate at N = 2. check() in bf16 must report it above TOLERANCE_BF16; unplanted it passes."""
+    rate at N = 2. check() in bf16 must report it 5x above TOLERANCE_BF16 (measured 0.27, 13x); unplanted
+    it passes (3.4e-7)."""
     if plant:
         backward = torch.Tensor.backward
         monkeypatch.setattr(torch.Tensor, "backward", lambda self, gradient=None, *rest, **kw: backward(
@@ -150,7 +152,7 @@ def test_a_boundary_gradient_divided_by_n_fails_the_bf16_check(plant, monkeypatc
             args = mp.parse_args(TINY + ["--layers", "4", "--precision", "bf16"], 2)
             losses, norms, stage, _ = train_split(args, comm)
             diff = mp.check(comm, args, losses, norms, stage)
-            assert agree(diff > mp.TOLERANCE_BF16 if plant else diff <= mp.TOLERANCE_BF16, comm), diff
+            assert agree(diff > 5 * mp.TOLERANCE_BF16 if plant else diff <= mp.TOLERANCE_BF16, comm), diff
 
 
 def skip_full_recomputation(monkeypatch):
@@ -222,7 +224,8 @@ def recipe_check(comm, size, precision="fp32", flags=RECIPE):
     losses, norms, stage, _ = train_split(args, comm)
     reference = mp.reference_training(args) if comm.Get_rank() == 0 else None
     diff = mp.check(comm, args, losses, norms, stage, reference)
-    norm_diff = comm.bcast(reference and max(abs(a - b) for a, b in zip(norms, reference[2], strict=True)), root=0)
+    norm_diff = comm.bcast(reference and max(abs(a / max(b, 1) - b / max(b, 1))  # relative past 1, as check()'s
+                                             for a, b in zip(norms, reference[2], strict=True)), root=0)
     return diff, norm_diff, min(norms) > CLIP
 
 

@@ -206,14 +206,15 @@ def limit(precision):
 
 def differences(comm, args, losses, stage, ranks, nudge, norms=()):
     """The check's largest |difference| against one process, over every rank (the gradient norms count
-    as losses); and the negative control: each of this rank's parameters moved in turn by `nudge`, the
+    as losses do, relative to their size past 1); and the negative control: each of this rank's parameters moved in turn by `nudge`, the
     least largest difference that gives (every nudged parameter must be seen)."""
     ref_losses, ref_model, ref_norms = pp.reference_training(args, stages=len(ranks))
     refs = [p.detach() for s in range(len(ranks)) if ranks[s] == comm.Get_rank()
             for p in ref_model[pp.stage_slice(args.layers, s, len(ranks))].parameters()]
     mine = [p.detach() for p in stage.parameters()]
     assert [p.shape for p in mine] == [p.shape for p in refs]
-    of_losses = max(abs(a - b) for a, b in [*zip(losses, ref_losses), *zip(norms, ref_norms)])
+    of_losses = max([abs(a - b) for a, b in zip(losses, ref_losses)] +  # the norms relative past 1, as check()'s
+                    [abs(a - b) / max(b, 1) for a, b in zip(norms, ref_norms)])
     diff = max([of_losses] + [(p - r).abs().max().item() for p, r in zip(mine, refs)])
     nudged = min(max(of_losses, (p + nudge - r).abs().max().item()) for p, r in zip(mine, refs))
     return max_everywhere(diff, comm), nudged

@@ -595,7 +595,8 @@ def test_check_reports_any_parameter_or_loss_nudged_past_the_tolerance(precision
                     failures.append(name)
             if not tp.check(comm, args, losses[:-1] + [losses[-1] + nudge], norms, model) > tolerance:
                 failures.append("last loss")
-            if not tp.check(comm, args, losses, norms[:-1] + [norms[-1] + nudge], model) > tolerance:
+            moved = norms[:-1] + [norms[-1] + nudge * max(norms[-1], 1)]  # the norms are compared relative past 1
+            if not tp.check(comm, args, losses, moved, model) > tolerance:
                 failures.append("last gradient norm")
             if nudged(next(model.parameters()), math.nan) <= tolerance:
                 failures.append("NaN")
