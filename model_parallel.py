@@ -799,23 +799,24 @@ def sends_in_flight(events):
 
 def parse_args(argv, world_size):
     p = common_arguments("Model parallelism over MPI: a small GPT on Python's own source.",
-                         steps=60, batch_size=16, lr=0.2, log_every=20)
+                         steps=60, batch_size=16, lr=1e-3, log_every=20)
     p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
     p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
     p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
     p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+    p.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"),
                    help="sgd: momentum 0.9; adamw: betas (0.9, 0.95), eps 1e-8, weight decay 0.1 (wants a far "
                         "smaller --lr than SGD, e.g. 1e-3)")
-    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+    p.add_argument("--lr-schedule", default="cosine", choices=("constant", "cosine"),
                    help="after the warm-up: --lr throughout, or a cosine from --lr down to --lr / 10 (reached a "
                         "step after the last)")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step k at --lr x (k+1) / W")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up: step k at --lr x (k+1) / W (default: --steps / 10)")
     p.add_argument("--clip-grad", type=checked(float, lambda v: 0 <= v < math.inf, "a number, 0 or more"),
-                   default=0.0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM (0: off)")
+                   default=1.0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM (0: off)")
     p.add_argument("--ragged", action="store_true",
                    help="documents of uneven length: each sequence ends at a drawn length, the targets past it ignored")
     args = check_common(p.parse_args(argv))
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
     if args.warmup_steps >= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves none of the {args.steps} steps after the "
                           f"warm-up; use at most {args.steps - 1}, or more --steps")

@@ -209,12 +209,12 @@ def test_the_learning_rate_is_the_schedule_of_the_step():
     """The warm-up's (k + 1) / W, then constant, or the cosine from lr (first step after the warm-up)
     down toward lr / 10 (its half-way point 0.55 lr): values worked out by hand."""
     cosine = mp.parse_args(["--lr", "1", "--steps", "6", "--warmup-steps", "2", "--lr-schedule", "cosine"], 1)
-    constant = mp.parse_args(["--lr", "1", "--steps", "6", "--warmup-steps", "2"], 1)
+    constant = mp.parse_args(["--lr", "1", "--steps", "6", "--warmup-steps", "2", "--lr-schedule", "constant"], 1)
     assert [mp.learning_rate(cosine, k) for k in range(2)] == [0.5, 1.0]
     assert [mp.learning_rate(constant, k) for k in range(6)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
     assert mp.learning_rate(cosine, 2) == 1.0 and mp.learning_rate(cosine, 4) == pytest.approx(0.55)
     assert mp.learning_rate(cosine, 5) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 3 / 4)))
-    assert mp.learning_rate(mp.parse_args(["--lr", "1", "--steps", "1"], 1), 0) == 1.0  # no warm-up
+    assert mp.learning_rate(mp.parse_args(["--lr", "1", "--steps", "9"], 1), 0) == 1.0  # 9 // 10: no warm-up
 
 
 def recipe_check(comm, size, precision="fp32", flags=RECIPE):
@@ -495,8 +495,11 @@ def test_launches_agree_across_world_sizes(tmp_path):
         assert "rank 0 | F" in out.stdout and "measured timeline" in out.stdout
         assert ("pipeline_parallel.py" in out.stdout) == (np_ > 1)
         assert len(result["busy_fraction"]) == np_ and all(0 < b <= 1 for b in result["busy_fraction"])
-        assert sum(result["param_bytes"]) * 3 == result["single_process_bytes"]
-        assert result["optimizer_state_bytes"] == result["grad_bytes"] == result["param_bytes"]  # SGD momentum
+        assert sum(result["param_bytes"]) * 4 == result["single_process_bytes"]
+        model = mp.build_model(mp.parse_args(["--layers", str(layers)], np_))  # AdamW, the default: two
+        tensors = [len(list(mp.stage_of(model, r, np_).parameters())) for r in range(np_)]  # moments, a step each
+        assert result["optimizer_state_bytes"] == [2 * b + 4 * k for b, k in zip(result["param_bytes"], tensors)]
+        assert result["grad_bytes"] == result["param_bytes"]
         assert result["comm_bytes_per_step"] == 2 * (np_ - 1) * 16 * 64 * 64 * 4
         assert result["collectives_per_step"] == 1 and result["collective_bytes_per_step"] == 4  # the norm's
         assert len(result["grad_norms"]) == 4 and printed_norms(out.stdout)[-1] == round(result["grad_norms"][-1], 4)
