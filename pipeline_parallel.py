@@ -1059,24 +1059,24 @@ def sends_in_flight(events):
 
 def parse_args(argv, world_size):
     p = common_arguments("Pipeline parallelism over MPI: a small GPT on Python's own source.",
-                         steps=60, batch_size=16, lr=0.2, log_every=20)
+                         steps=60, batch_size=16, lr=1e-3, log_every=20)
     p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
     p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
     p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
     p.add_argument("--seq-len", type=COUNT, default=64, help="characters per sequence")
     p.add_argument("--micro-batches", type=COUNT, default=8, help="micro-batches per global batch")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="pipeline schedule")
-    p.add_argument("--virtual-stages", type=COUNT, default=None,
-                   help="chunks of layers per rank for --schedule interleaved (default 2)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+    p.add_argument("--virtual-stages", type=COUNT, help="chunks of layers per rank for --schedule interleaved (default 2)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw",
                    help="SGD with momentum 0.9, or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
-    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0,
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=1.0,
                    metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ (0: off)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
                    help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s gets lr (s + 1) / W")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up: step s gets lr (s + 1) / W (default: --steps / 10)")
     p.add_argument("--ragged", action="store_true", help="documents of uneven length: targets past a document's end ignored")
     args = check_common(p.parse_args(argv))
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
     if args.warmup_steps >= args.steps:  # a warm-up that takes every step
         raise ConfigError(f"--warmup-steps {args.warmup_steps} must be below --steps {args.steps}: fewer or more steps")
     if args.hidden % args.heads:

@@ -15,6 +15,9 @@ TAG_UB = world().Get_attr(pp.MPI.TAG_UB)  # the library's bound, the same in the
 GRID = [(n, m) for n in range(1, 7) for m in (1, 2, 3, 5, 8, 13)]  # M below, at and above N
 # 9 blocks: N x V stages that do not divide them (2 x 2, 4 x 2, 3 x 2, 4...) and some that do.
 SMALL = ["--layers", "8", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--batch-size", "12"]
+# SGD at a constant rate, no clip: the tests that plant a scaled gradient (AdamW's step does not change
+# when a gradient is scaled) or resume at another --steps (a cosine's rate depends on it) name it.
+SGD = ["--optimizer", "sgd", "--lr", "0.2", "--clip-grad", "0", "--lr-schedule", "constant"]
 TINY = ["--layers", "9", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "12",
         "--steps", "2", "--seed", "3"]
 
@@ -357,7 +360,7 @@ class GradientsScaled:
 def test_gradients_scaled_by_one_over_n_fail_the_check(precision):
     with sub_comm(3) as comm:
         if comm is not None:
-            args = pp.parse_args(TINY + ["--micro-batches", "3", "--precision", precision], 3)
+            args = pp.parse_args(TINY + SGD + ["--micro-batches", "3", "--precision", precision], 3)
             losses, stage, _, ranks, _, _ = train_pipeline(args, comm, GradientsScaled)
             diff, _ = differences(comm, args, losses, stage, ranks, 0.0)
             assert diff > 5 * limit(precision), diff  # measured: 1.2e-1 in bf16
@@ -372,7 +375,7 @@ def test_the_learning_rate_warms_up_then_follows_its_cosine_and_a_warmup_of_ever
     args = pp.parse_args(["--steps", "11", "--lr", "1", "--warmup-steps", "2", "--lr-schedule", "cosine"], 1)
     assert [pp.learning_rate(args, s) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
     assert pp.learning_rate(args, 6.5) == pytest.approx(0.55) and pp.learning_rate(args, 11) == pytest.approx(0.1)
-    assert pp.learning_rate(pp.parse_args(["--steps", "11", "--lr", "1"], 1), 7) == 1
+    assert pp.learning_rate(pp.parse_args(["--steps", "11", "--lr", "1", "--lr-schedule", "constant"], 1), 7) == 1
     with pytest.raises(pp.ConfigError, match="--warmup-steps 3 must be below --steps 3"):
         pp.parse_args(["--steps", "3", "--warmup-steps", "3"], 1)
 
@@ -499,7 +502,7 @@ def test_message_tags_stay_within_the_librarys_bound():
 # -----------------------------------------------------------------------------
 # 4 blocks: 4 x 2 and 2 x 3 interleaved stages and zbv's 2N leave some stages without a block.
 RESUME = ["--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
-          "--micro-batches", "4", "--json"]
+          "--micro-batches", "4", "--json", *SGD]
 # (saved on, resumed on): N, the schedule and V each change, and one pair keeps its grid (bit for bit).
 # Two pairs train the recipe (AdamW's moments and step count, the norms and the cosine go on), one on
 # ragged documents; the cosine of --steps 2 and of 4 agree on steps 0 and 1 (one step of warm-up).
@@ -606,7 +609,7 @@ def test_launches_agree_across_world_sizes_schedules_and_micro_batches(tmp_path)
         assert result["bubble_fraction_dry_run"] == pytest.approx(result["bubble_fraction_theory"])
         crossings = sum(a != b for a, b in zip(result["stage_ranks"], result["stage_ranks"][1:]))
         assert crossings == {"zbv": 2 * (np_ - 1), "interleaved": np_ * v - 1}.get(schedule, np_ - 1)
-        assert result["comm_bytes_per_step"] == 2 * crossings * 12 * 16 * 32 * 4  # B x T x H x 4
+        assert result["comm_bytes_per_step"] == 2 * crossings * 12 * 16 * 32 * 4 + 4 * np_  # B x T x H x 4; the norm
         assert result["messages_per_step"] == 2 * m * crossings
         assert result["overlap"] == {"sends_in_flight_during_compute": promised_in_flight(schedule, np_, m, v)}
         assert result["memory_formula_bytes"] == [a + b for a, b in zip(result["stage_state_bytes"],
@@ -649,7 +652,7 @@ def test_a_bf16_run_with_recomputation_passes_its_check_and_its_formulas():
     result, args = last_json(out), pp.parse_args(flags, 3)
     assert result["precision"] == "bf16" and result["recompute"] == "full" and "-> PASS" in out.stdout
     assert result["check_max_abs_diff"] <= pp.TOLERANCE_BF16
-    assert result["comm_bytes_per_step"] == 2 * 2 * 12 * 16 * 32 * 2  # 2K x B x T x H x 2, K = 2
+    assert result["comm_bytes_per_step"] == 2 * 2 * 12 * 16 * 32 * 2 + 4 * 3  # 2K x B x T x H x 2, K = 2; the norm
     assert result["activation_bytes_per_micro_batch"] == result["activation_bytes_per_micro_batch_formula"] == \
         [one_micro_batch(args, 3, r) for r in range(3)]
     assert all(0 < a <= b for a, b in zip(result["activation_bytes_per_rank"], result["activation_bytes_bound"]))
