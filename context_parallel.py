@@ -888,7 +888,7 @@ def report(comm, args, run, model, losses, norms, records, counted, meter, check
 
 def parse_args(argv, world_size):
     p = common_arguments("Context parallelism over MPI: ring attention on a small GPT, the sequence split.",
-                         steps=40, batch_size=16, lr=0.1, log_every=10)
+                         steps=40, batch_size=16, lr=1e-3, log_every=10)
     p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
     p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
     p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
@@ -898,15 +898,16 @@ def parse_args(argv, world_size):
     p.add_argument("--cp-comm", choices=tuple(VARIANTS), default="ring",
                    help="how attention sees the whole sequence: K and V round a ring, gathered, or heads by all-to-all")
     p.add_argument("--no-overlap", action="store_true", help="ring baseline: wait for each exchange before computing")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw",
                    help="SGD with momentum 0.9, or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
-    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.0,
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=1.0,
                    metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM (0: no clip)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
                    help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s gets lr (s + 1) / W")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up: step s gets lr (s + 1) / W (default: --steps / 10)")
     p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     args = check_common(p.parse_args(argv))
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps  # a tenth by default
     if args.warmup_steps >= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} must be below --steps {args.steps}: the warm-up "
                           f"would take every step; use fewer warm-up steps or more steps")

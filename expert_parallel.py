@@ -627,8 +627,7 @@ def reference_training(args, world_sizes, choices=None, device=torch.device("cpu
     return losses, norms, model
 
 def gather_model(model, comm):
-    """{name: tensor} of the whole model on rank 0's CPU, None elsewhere: the dense parameters are
-    rank 0's own, and rank j of the first group sends the experts it holds."""
+    """The whole model {name: tensor} on rank 0's CPU (None elsewhere): the first group's rank j sends its experts."""
     flat = torch.cat([p.detach().reshape(-1) for p in expert_parameters(model)]).cpu()
     every = flat.new_empty(comm.Get_size(), flat.numel()) if comm.Get_rank() == 0 else None
     comm.Gather(flat, every, root=0)
@@ -793,7 +792,7 @@ def report(comm, args, run, model, losses, norms, records, counted, diff, refere
 
 def parse_args(argv, world_size):
     p = common_arguments("Expert parallelism over MPI: a mixture-of-experts GPT on Python's own source.",
-                         steps=50, batch_size=24, lr=0.1, log_every=10)
+                         steps=50, batch_size=24, lr=1e-3, log_every=10)
     for flag, default, text in (("--layers", 4, "transformer blocks"), ("--hidden", 64, "hidden size"), ("--heads", 4, "attention heads"),
                                 ("--seq-len", 64, "characters per sequence"), ("--experts", 4, "expert MLPs in every block")):
         p.add_argument(flag, type=COUNT, default=default, help=text)
@@ -801,15 +800,16 @@ def parse_args(argv, world_size):
     p.add_argument("--ep", type=COUNT, help="ranks that share the experts out (default: the most that divide both the ranks and the experts)")
     p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(C k n / E) pairs per expert from each rank's n tokens (default: dropless)")
     p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01, help="alpha of the load-balancing loss")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="SGD (momentum 0.9) or AdamW (betas "
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="SGD (momentum 0.9) or AdamW (betas "
                    "0.9 0.95, eps 1e-8, weight decay 0.1 on every parameter)")
-    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.0,
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=1.0,
                    metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ does (0: off)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
                    help="after the warm-up: --lr, or a cosine down towards --lr / 10 at --steps")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s (from 0) at lr (s + 1) / W")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up: step s (from 0) at lr (s + 1) / W (default: --steps / 10)")
     p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     args = check_common(p.parse_args(argv))
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps  # a tenth by default
     if args.warmup_steps >= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves no step of --steps {args.steps}; use fewer")
     if args.hidden % args.heads:

@@ -1290,7 +1290,7 @@ SIZES = (("--layers", 4, "transformer blocks"), ("--hidden", 64, "hidden size"),
 
 def parse_args(argv, world_size):
     p = common_arguments("Hybrid (pipeline x data x context x tensor x expert) parallelism over MPI: a small GPT on "
-                         "Python's own source.", steps=40, batch_size=16, lr=0.1, log_every=10)
+                         "Python's own source.", steps=40, batch_size=16, lr=1e-3, log_every=10)
     for flag, default, text in SIZES:
         p.add_argument(flag, type=COUNT, default=default, help=text)
     p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel ranks outside their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
@@ -1301,12 +1301,13 @@ def parse_args(argv, world_size):
     p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(F K n / X) pairs per expert from each rank's n tokens (default: dropless)")
     p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01, help="alpha of the load-balancing loss")
     p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's state sharded over the ranks that sum each gradient (ZeRO-1: reduce-scatter, step a slice, all-gather)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="SGD (momentum 0.9) or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
-    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ does (0: off)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant", help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s (from 0) at lr (s + 1) / W")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="SGD (momentum 0.9) or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=1.0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ does (0: off)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine", help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up: step s (from 0) at lr (s + 1) / W (default: --steps / 10)")
     p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     args = check_common(p.parse_args(argv))
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps  # a tenth by default
     if args.warmup_steps >= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves no step of --steps {args.steps}; use fewer")
     if args.sequence_parallel and args.tp == 1:
@@ -1371,8 +1372,7 @@ def hybrid_shard(comm, args, axes, stage, optimizer, losses, norms):
     return pieces, {"losses": losses, "grad_norms": list(norms), "grids": args.grids, **{"adamw_step": s for s in steps}} if comm.Get_rank() == 0 else None
 
 def restore(args, axes, stage, optimizer, manifest, blocks):
-    """Each parameter and its optimizer state from the blocks asked for, the padding rows zero; ZeRO-1 cuts its slices
-    from them. The grids that trained the steps so far go before this one's. Returns the losses and norms so far."""
+    """Each parameter and its optimizer state from the blocks asked for (ZeRO-1 cuts its slices): the losses, norms so far."""
     state, kinds = manifest["state"], MOMENTS[args.optimizer]
     moments, step = {field: {} for field in kinds.values()}, {"step": torch.tensor(float(state["adamw_step"]))} if "adamw_step" in state else {}
     with torch.no_grad():

@@ -816,7 +816,7 @@ def parse_args(argv, world_size):
     p.add_argument("--ragged", action="store_true",
                    help="documents of uneven length: each sequence ends at a drawn length, the targets past it ignored")
     args = check_common(p.parse_args(argv))
-    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps  # a tenth by default
     if args.warmup_steps >= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} leaves none of the {args.steps} steps after the "
                           f"warm-up; use at most {args.steps - 1}, or more --steps")

@@ -1076,7 +1076,7 @@ def parse_args(argv, world_size):
     p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up: step s gets lr (s + 1) / W (default: --steps / 10)")
     p.add_argument("--ragged", action="store_true", help="documents of uneven length: targets past a document's end ignored")
     args = check_common(p.parse_args(argv))
-    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps  # a tenth by default
     if args.warmup_steps >= args.steps:  # a warm-up that takes every step
         raise ConfigError(f"--warmup-steps {args.warmup_steps} must be below --steps {args.steps}: fewer or more steps")
     if args.hidden % args.heads:

@@ -799,13 +799,14 @@ def parse_args(argv, world_size):
     p.add_argument("--no-overlap", action="store_true",
                    help="baseline: reduce-scatter after backward (stages 2, 3), no prefetch (stage 3)")
     p.add_argument("--optimizer", choices=("adamw",), default="adamw", help="AdamW (SGD is not offered here)")
-    p.add_argument("--clip-grad", type=float, default=0.0, metavar="MAX_NORM",
+    p.add_argument("--clip-grad", type=float, default=1.0, metavar="MAX_NORM",
                    help="clip the global gradient norm to MAX_NORM (0: no clipping)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
                    help="after the warm-up: constant, or a cosine towards lr / 10, reached after the last step")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up from 0 to --lr over W steps")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up from 0 to --lr over W steps (default: --steps / 10)")
     p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     args = check_common(p.parse_args(argv))
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps  # a tenth by default
     if not args.clip_grad >= 0 or args.warmup_steps >= args.steps:
         raise ConfigError(f"--clip-grad {args.clip_grad:g} must be 0 (off) or more" if not args.clip_grad >= 0 else
                           f"--warmup-steps {args.warmup_steps} leaves no step after the warm-up of --steps "

@@ -856,7 +856,7 @@ def report(comm, args, run, model, full_params, losses, norms, records, traffic,
 
 def parse_args(argv, world_size):
     p = common_arguments("Tensor parallelism over MPI (Megatron-LM): a small GPT on Python's own source.",
-                         steps=50, batch_size=16, lr=0.1, log_every=10)
+                         steps=50, batch_size=16, lr=1e-3, log_every=10)
     p.add_argument("--layers", type=COUNT, default=4, help="transformer blocks")
     p.add_argument("--hidden", type=COUNT, default=64, help="hidden size")
     p.add_argument("--heads", type=COUNT, default=4, help="attention heads")
@@ -869,14 +869,15 @@ def parse_args(argv, world_size):
                    help="baseline: exchange the input gradient after the weight gradient, not during it")
     p.add_argument("--sample-chars", type=COUNT_OR_0, default=120, help="characters of text the trained model writes at the end (0: none)")
     p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw",
                    help="SGD with momentum 0.9, or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
-    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0,
+    p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=1.0,
                    metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ (0: off)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
                    help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
-    p.add_argument("--warmup-steps", type=COUNT_OR_0, default=0, help="linear warm-up: step s gets lr (s + 1) / W")
+    p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up: step s gets lr (s + 1) / W (default: --steps / 10)")
     args = check_common(p.parse_args(argv))
+    args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps  # a tenth by default
     if args.warmup_steps >= args.steps:  # a warm-up that takes every step
         raise ConfigError(f"--warmup-steps {args.warmup_steps} must be below --steps {args.steps}: fewer or more steps")
     if args.hidden % args.heads:
@@ -890,8 +891,7 @@ def parse_args(argv, world_size):
     if args.seq_len >= len(load_text()):
         raise ConfigError(f"--seq-len {args.seq_len} must be shorter than the text ({len(load_text())})")
     if args.regather and not args.sequence_parallel:
-        raise ConfigError("--regather gathers the sequence's slices again in backward: it needs "
-                          "--sequence-parallel; add it, or drop --regather")
+        raise ConfigError("--regather gathers the sequence's slices again in backward: add --sequence-parallel")
     if args.sequence_parallel and args.seq_len % world_size:
         fit = max(world_size, args.seq_len // world_size * world_size)
         raise ConfigError(f"--sequence-parallel cuts --seq-len {args.seq_len} into {world_size} equal slices; "
