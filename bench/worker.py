@@ -105,6 +105,16 @@ def timed(comm, steps, step, device, warmup=1):
 Case = collections.namedtuple("Case", "label tags run")  # tags: what the report selects it by
 
 
+def as_the_peers(module, flags):
+    """Our GPT files train the whole recipe by default (AdamW, the norm clipped, a cosine); their peers
+    here train SGD (ZeRO's: AdamW) at a constant rate, unclipped, as every bench result was measured:
+    ours are run so too, like for like. Flags given (the matrix's recipe) come after, and win."""
+    if module == "data_parallel":
+        return [*flags]
+    sgd = [] if module == "sharded_data_parallel" else ["--optimizer", "sgd", "--lr", 0.1]
+    return [*sgd, "--clip-grad", 0, "--lr-schedule", "constant", *flags]
+
+
 def strategy(module, *flags, transport="mpi"):
     """Run a strategy file's main() in this process with --json; its JSON object (rank 0). With
     transport "gloo", main() is handed the job's GlooComm: the same script, its exchanges on gloo."""
@@ -117,7 +127,7 @@ def strategy(module, *flags, transport="mpi"):
                 raise CannotRun("ours on gloo is measured on the CPU only (gloo sends no CUDA tensors point to point)")
             comm = gloo_comm(ctx)
         out = io.StringIO()
-        argv = [*flags, "--steps", ctx.args.steps, "--device", ctx.args.device,
+        argv = [*as_the_peers(module, flags), "--steps", ctx.args.steps, "--device", ctx.args.device,
                 "--log-every", 10 ** 6, "--check" if ctx.args.check else "--no-check", "--json"]
         with contextlib.redirect_stdout(out):
             code = importlib.import_module(module).main([str(a) for a in argv], comm)
@@ -153,7 +163,7 @@ def defaults(module, world_size, *flags):
     its peers must use too."""
     if not (ROOT / f"{module}.py").is_file():
         raise CannotRun(f"{module}.py is not in this checkout yet")
-    return importlib.import_module(module).parse_args([str(f) for f in flags], world_size)
+    return importlib.import_module(module).parse_args([str(f) for f in as_the_peers(module, flags)], world_size)
 
 
 # -----------------------------------------------------------------------------
@@ -459,8 +469,8 @@ def record_step(ctx, module, flags):
         return step_record(self, start)
     m.Timeline.step_record = marked
     try:
-        argv = [*map(str, flags), "--steps", "3", "--device", ctx.args.device, "--log-every", str(10 ** 6),
-                "--no-check"]
+        argv = [*map(str, as_the_peers(module, flags)), "--steps", "3", "--device", ctx.args.device,
+                "--log-every", str(10 ** 6), "--no-check"]
         with contextlib.redirect_stdout(io.StringIO()):
             code = m.main(argv, RecordingComm(ctx.comm, log))
     finally:
