@@ -49,9 +49,11 @@ STEPS, EVERY = 12, 4  # checkpoints after steps 4, 8 and 12
 
 
 def run(script, save, *extra, env=None, np=None):
+    """At a constant rate: a resume here runs on past the first run's --steps, and the GPT files' default
+    cosine is a function of --steps (a job that resumes with the same --steps continues it exactly)."""
     flags, world, _ = SCRIPTS[script]
-    return launch(script, np or world, *flags, "--steps", STEPS, "--save-every", EVERY,
-                  "--save", save, "--no-check", "--json", *extra, env=env)
+    return launch(script, np or world, *flags, "--lr-schedule", "constant", "--steps", STEPS,
+                  "--save-every", EVERY, "--save", save, "--no-check", "--json", *extra, env=env)
 
 
 def latest(save):
@@ -236,8 +238,8 @@ def test_sigterm_to_every_rank_saves_at_a_step_boundary_and_the_resumed_run_ends
     uninterrupted run's losses and state bit for bit."""
     whole, whole_state, _ = uninterrupted(script)
     flags, world, _ = SCRIPTS[script]
-    job = start(script, world, *flags, "--steps", STEPS, "--save-every", EVERY, "--save", tmp_path,
-                "--no-check", "--json", "--log-every", 1)
+    job = start(script, world, *flags, "--lr-schedule", "constant", "--steps", STEPS, "--save-every", EVERY,
+                "--save", tmp_path, "--no-check", "--json", "--log-every", 1)
     try:
         for line in job.stdout:  # wait until training runs
             if line.startswith("step 2/"):

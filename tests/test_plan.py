@@ -48,6 +48,13 @@ RUNS = {
 FP32 = plan.Training("fp32", "none", "eager", "sgd", "autocast")   # the files' runs: their attention is eager
 
 
+def as_planned(script):
+    """The flags that make a file train as plan.py counts it: SGD (ZeRO: AdamW), unclipped (plan.py's bytes
+    leave out the clip's 4-byte allreduce of the norm), at a constant rate; the files' defaults are the recipe."""
+    return [*(["--optimizer", "sgd"] if script != "sharded_data_parallel.py" else []), "--clip-grad", "0",
+            "--lr-schedule", "constant"]
+
+
 def training(name):
     """How a run of RUNS trains, in plan.py's terms: ZeRO with AdamW and bf16 weights, the others SGD."""
     return dataclasses.replace(FP32, optimizer="adam", weights="master") if name.startswith("zero") else FP32
@@ -56,7 +63,8 @@ def training(name):
 @pytest.fixture(scope="module")
 def measured():
     """Every run of RUNS, launched once: name -> its --json object."""
-    return {name: last_json(launch(script, n, *TINY, *flags)) for name, (script, n, flags, *_) in RUNS.items()}
+    return {name: last_json(launch(script, n, *TINY, *as_planned(script), *flags))
+            for name, (script, n, flags, *_) in RUNS.items()}
 
 
 def predicted_total(name):
@@ -314,7 +322,7 @@ def tensor_args(n, precision, recompute, sp):
     L, h, a, T, B = GPT_SHAPE
     return tp.parse_args([str(v) for v in ["--layers", L, "--hidden", h, "--heads", a, "--seq-len", T, "--batch-size",
                                            B, "--precision", precision, "--recompute", recompute]]
-                         + ["--sequence-parallel"] * sp, n)
+                         + ["--sequence-parallel"] * sp + as_planned("tensor_parallel.py"), n)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -453,7 +461,8 @@ BF16_KERNELS_BYTES = 14e6
 @pytest.fixture(scope="module")
 def measured_bf16():
     """Every run of BF16_RUNS, launched once: name -> its --json object."""
-    return {name: last_json(launch(script, 2, *BF16, *flags)) for name, (script, flags) in BF16_RUNS.items()}
+    return {name: last_json(launch(script, 2, *BF16, *as_planned(script), *flags))
+            for name, (script, flags) in BF16_RUNS.items()}
 
 
 def bf16_plan(name, result):
