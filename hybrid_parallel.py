@@ -49,10 +49,10 @@ positions, row-parallel biases), Sh + (5 + X)Lh + 2h with experts (the routers);
   tensor, --sequence-parallel: D x C x M x ((2G + 6 + 4X/E)L + 10 + 2F) collectives, (GL + 2 + F)T x A + (GL + 1 + F)
             x eBSh + A + 12BST + 4MDCT x R_r bytes, R_r = R_d + W_x/T: all-gathers (e), float32 reduce-scatters, and
             per micro-batch an allreduce of each replicated parameter's gradient (experts too); pipeline: 2(P - 1)eBSh.
-  expert:   5LMDCT/E + LM collectives, 16h(LKBST' - d) + 2 x 8XLMDCT bytes: per block and micro-batch in each
-            group an Alltoall of the counts and 4 Alltoallv (dispatch, combine, each way) of a row per kept (token,
-            choice) pair, and over each stage an Allreduce of the router's counts; T' = T (1 with sequence
-            parallelism), d the pairs dropped a step (--capacity-factor; dropless without). float32 only (below).
+  expert:   (5 + 3f)LMDCT/E + (1 + f)LM collectives, (4 + 2f)eh(LKBST' - d) + (1 + f)16XLMDCT bytes: per block and
+            micro-batch in each group an Alltoall of the counts and 4 Alltoallv (dispatch, combine, each way) of a row
+            per kept (token, choice) pair, over each stage an Allreduce of the router's counts; f = 1 with --recompute
+            full (the forward's again), else 0; T' = T (1 with sequence parallelism), d the pairs dropped a step.
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
   ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each bucket
             (still posted in backward) and an Allgather of the updated parameters after the step: 2 collectives per
@@ -64,18 +64,17 @@ gradient norm, --lr-schedule constant or cosine (down to lr/10) after --warmup-s
 --ragged: documents of uneven length; the loss, the sum over the step's valid targets / their count.
 Mixed precision (--precision bf16): forward and loss under torch.autocast(bfloat16), on the ranks and in --check's one
 process: matmuls on bf16 copies of the float32 master weights; gradients add up and are reduced in float32 (Megatron's
-default; bf16 would halve the data axis's bytes but round small terms away, and MPI cannot sum bf16), as the optimizer's
-state. Float32 too: the residual stream, LayerNorm, softmax, the ring's scores, lse and merge, the loss, every sum to
-MPI. Only what moves is bf16: the pipeline's activations and gradients, K/V round the ring, sequence-parallel gathers.
+default: bf16 would round small terms away, and MPI cannot sum it), as the optimizer's state. Float32 too: the residual
+stream, LayerNorm, softmax, the router, the ring's scores, lse and merge, the loss, every sum to MPI. Only what moves is
+bf16: the pipeline's activations and gradients, K/V round the ring, sequence-parallel gathers, the experts' rows.
 Recomputation (--recompute): torch.utils.checkpoint(fn, *inputs, use_reentrant=True) keeps fn's inputs by
-save_for_backward (where the saved-tensor hooks that count activations see them) and reruns fn in backward under the
-forward's autocast. full: each block from its input, its g and ring hops again (F, R); selective: attention's core
-(Korthikanti et al.); at C > 1 the ring keeps no weights (recomputed from lse): selective drops its output and lse (R).
-Not offered yet: experts with bf16 or recomputation (refused in one line); with experts, activations measured only.
+save_for_backward (where the hooks that count activations see them) and reruns fn in backward under the forward's
+autocast. full: each block from its input, its g, ring hops and expert exchanges again (F, R, f); selective: attention's
+core (Korthikanti); at C > 1 the ring keeps no weights (recomputed from lse): selective drops its output and lse (R).
 Memory per rank, W_r its stage's parameters (its slice of the T-way split, X/E experts a block): weights and gradients
-  4W_r each, in bf16 too; SGD's momentum 4W_r, AdamW's moments 8W_r (--zero-stage 1: 4W_r'/n, 8W_r'/n). Activations a
-  micro-batch's forward saves (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with --sequence-parallel,
-  else 1), per dense block: none bsh(8/c + 2e + 12e/t) + 16bs/c + Y; selective without Y; full 4bsh/c, its float32
+  4W_r each, in bf16 too; SGD's momentum 4W_r, AdamW's moments 8W_r (--zero-stage 1: 4W_r'/n, 8W_r'/n). Activations of a
+  micro-batch (b = B/(DM) sequences, s = S/C positions, a heads, t = T, c = t with --sequence-parallel, else 1), per
+  dense block (experts': measured only): none bsh(8/c + 2e + 12e/t) + 16bs/c + Y; selective without Y; full 4bsh/c, its
   input. Y: (4, bf16 6)abs^2/t + s^2 (softmax, bf16 copy, mask) at C = 1; ebsh/t + 4abs/t (ring output, lse) at C > 1.
   Once: 9bs + 8s/c on stage 0, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded); min(M, P - s) of them.
 Checkpoints (--save, --resume): the whole model's tensors and optimizer state by one process's names, in blocks
@@ -391,7 +390,7 @@ class RingAttention(torch.autograd.Function):
     with it, home after C hops. Blocking Sendrecvs (context_parallel.py hides them behind work)."""
     @staticmethod
     def forward(ctx, q, k, v, ring):
-        kv, out, lse = torch.stack([k, v]), None, None
+        ctx.ring, kv, out, lse = ring, torch.stack([k, v]), None, None
         for i in range(ring.comm.Get_size()):
             plan = ring.plans[i]  # rank c-i's block is in hand
             if plan is not None:
@@ -406,7 +405,6 @@ class RingAttention(torch.autograd.Function):
                 kv = ring_pass(kv, ring.comm)
         out = out.to(q.dtype)  # merged in float32, kept and returned in q's dtype (proj's, under autocast)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
         return out
     @staticmethod
     def backward(ctx, dout):
@@ -457,14 +455,16 @@ class MoE(nn.Module):
         self.scale, self.dropped, self.gap = 1.0, 0, math.inf  # the report's: pairs dropped, smallest top-k gap
     def forward(self, x):
         tokens, k, X = x.reshape(-1, x.size(-1)), self.top_k, self.router.out_features
-        probs = self.router(tokens).softmax(dim=-1)
+        with torch.autocast(x.device.type, enabled=False):  # the router in float32: bf16 logits would flip choices
+            probs = self.router(tokens).softmax(dim=-1)
         ranked, order = probs.sort(dim=-1, descending=True, stable=True)
         self.gap = min(self.gap, (ranked[:, k - 1] - ranked[:, k]).min().item())
         pairs, gates = order[:, :k].reshape(-1), ranked[:, :k]  # token t's choice c is pair t K + c
         exact = fractions.Fraction(repr(self.capacity_factor or 0))  # F: an expert keeps its first ceil(F K n / X)
         limit = math.inf if self.capacity_factor is None else math.ceil(exact * k * len(tokens) / X)
         kept = F.one_hot(pairs, X).cumsum(0).gather(1, pairs[:, None]).squeeze(1) <= limit
-        self.dropped, kept = self.dropped + int((~kept).sum()), kept.nonzero().squeeze(1)
+        self.dropped += int((~kept).sum()) * torch.is_grad_enabled()  # once: --recompute full's first pass has no grad
+        kept = kept.nonzero().squeeze(1)
         kept = kept[pairs[kept].sort(stable=True).indices]  # by expert; in token order within one
         out = self.run_experts(tokens[kept // k], torch.bincount(pairs[kept], minlength=X))
         y = out.new_zeros(len(pairs), out.size(1)).index_put((kept,), out).view(len(tokens), k, -1)
@@ -477,7 +477,7 @@ class MoE(nn.Module):
     def run_experts(self, rows, sent):
         """rows sorted by expert, sent[i] of them for expert i. Dispatch: each to the rank of the group that holds its
         expert, which runs once on its rows from every rank; combine: the outputs back, in the order the rows left."""
-        size, local = self.group.Get_size(), len(self.experts)
+        size, local, kind = self.group.Get_size(), len(self.experts), rows.device.type
         received = sent  # [i x local + e]: rows from rank i for this rank's expert e
         if size > 1:
             received = torch.empty_like(sent)
@@ -485,6 +485,7 @@ class MoE(nn.Module):
             self.group.Alltoall(mpi_buffer(sent), buffer)
             from_mpi(received, buffer)
             back, forth = sent.view(size, local).sum(1).tolist(), received.view(size, local).sum(1).tolist()
+            rows = rows.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else rows  # fc1 casts
             rows = AllToAll.apply(rows, back, forth, self.group)  # dispatch
         pieces = torch.arange(len(rows), device=rows.device).split(received.tolist())
         by_expert = torch.cat([pieces[i * local + e] for e in range(local) for i in range(size)])
@@ -799,9 +800,8 @@ def train_step(stage, optimizer, buckets, actions, x, y, args, axes, timeline, c
     count = valid_targets(y, axes["data"]) if args.ragged and s == last_stage else None
     optimizer.zero_grad(set_to_none=False)
     def post(a):  # a receive from the previous stage (activations) or the next (gradients)
-        t = torch.empty(shape, dtype=wire, device=x.device)
+        t, source = torch.empty(shape, dtype=wire, device=x.device), s - 1 if a.op == "recv_act" else s + 1
         buffer = mpi_buffer(t, send=False)
-        source = s - 1 if a.op == "recv_act" else s + 1
         recvs[a] = (pp_comm.Irecv(buffer, source=source, tag=tag(a.op, a.mb)), t, buffer)
     for k, a in enumerate(actions):
         if a.op in ("forward", "backward"):  # post the next receive, to land while we compute
@@ -1099,7 +1099,8 @@ def reference_training(args, device):
 def reference_moe(moe, args, x):
     """The mixture of experts in one process, written apart from MoE (see the comment above reference_training)."""
     (B, S, _), X, K, M, D, F_ = x.shape, len(moe.experts), moe.top_k, args.micro_batches, args.dp, moe.capacity_factor
-    probs, b, T = torch.softmax(x @ moe.router.weight.T, dim=-1), B // (D * M), args.tp if args.sequence_parallel else 1
+    with torch.autocast(x.device.type, enabled=False):  # the router in float32, in bf16 too, as the ranks'
+        probs, b, T = torch.softmax(x @ moe.router.weight.T, dim=-1), B // (D * M), args.tp if args.sequence_parallel else 1
     choice = probs.detach().argsort(dim=-1, descending=True, stable=True)[..., :K]  # B x S x K; a tie: the lowest index first
     keep, moe.aux = torch.ones(B, S, K, dtype=torch.bool).tolist(), 0
     # The tokens each rank routed, in its order: sequences (d M + m) b to (d M + m + 1) b - 1 (micro-batch m of
@@ -1137,7 +1138,10 @@ MOMENTS = {"sgd": {"momentum": "momentum_buffer"}, "adamw": {"exp_avg": "exp_avg
 # 0.18, and 8.8e-2 in one process. The ranks round in other places than the reference (its whole batch in one
 # backward, its nn.Linear; the ranks' micro-batches, stage boundaries, partial products): accumulating the same
 # micro-batches and rounding at the same boundaries in the reference measured 0.32 -> 0.18 (--tp 2), 0.14 -> 4.9e-2
-# (--pp 2), 8.8e-2 -> 3.2e-2 (one process), not enough to hold SGD's run.
+# (--pp 2), 8.8e-2 -> 3.2e-2 (one process), not enough to hold SGD's run. Experts in bf16 (the router float32 on both
+# sides; the tests' 3 steps, --ep 2 on 4 ranks with data, tensor with sequence parallelism, pipeline, context with a
+# capacity, recomputation full and the recipe) 9.7e-4 to 3.9e-3; the default 40 steps with --experts 4 at N = 1, 2, 4
+# 6.6e-3, 5.2e-3, 6.1e-3, the same with --recompute full; an expert's gradient E times too far 0.13 (6.6x).
 def check(comm, args, device, losses, norms, stage, counted):
     """Rank 0 trains the reference and broadcasts it; each rank cuts it as its stage was, compares; all get the max."""
     reference, (ref_losses, ref_norms, trained) = build_model(args), reference_training(args, device) if comm.Get_rank() == 0 else [None] * 3
@@ -1190,7 +1194,8 @@ FORMULA_TEXT = {  # the docstring's formulas, as the summary prints them: (axis,
     ("tensor", False): ("allreduces D x C x M x (GL + 5 + F)", "T x [(GL + 2 + F) x 4BSh + 3 x 4BS]"),
     ("tensor", True): ("collectives D x C x M x ((2G + 6 + 4X/E)L + 10 + 2F)",
                        "(GL + 2 + F)T x 4BSh + (GL + 1 + F) x eBSh + 4BSh + 12BST + 4MDCT x R_r"),
-    ("expert", False): ("collectives 5LMDCT/E + LM", "16h(LKBST' - d) + 2 x 8XLMDCT")}
+    ("expert", False): ("collectives 5LMDCT/E + LM", "16h(LKBST' - d) + 2 x 8XLMDCT"),
+    ("expert", True): ("collectives (5 + 3f)LMDCT/E + (1 + f)LM", "(4 + 2f)eh(LKBST' - d) + (1 + f) x 2 x 8XLMDCT")}
 
 def report(comm, args, run, stage, buckets, losses, norms, records, counted, ideal, diff):
     """The summary lines and JSON keys of this file; finish() prints them with the house's."""
@@ -1201,7 +1206,7 @@ def report(comm, args, run, stage, buckets, losses, norms, records, counted, ide
     waits = comm.allgather(statistics.median(r["wait_s"] / r["step_s"] for r in records[1:] or records))
     theory, bubble, pipeline = (P - 1) / (M + P - 1), statistics.mean(waits), [ideal[rank_at(p, 0, 0, 0, D, C, T)] for p in range(P)]
     slots, SP = max(e for row in pipeline for _, _, e in row), args.sequence_parallel
-    text = {a: FORMULA_TEXT[a, v] for a, v in (("pipeline", SP), ("data", (buckets.zero, args.ragged and D * C > 1)), ("context", False), ("tensor", SP), ("expert", False))}
+    text = {a: FORMULA_TEXT[a, v] for a, v in (("pipeline", SP), ("data", (buckets.zero, args.ragged and D * C > 1)), ("context", False), ("tensor", SP), ("expert", args.precision == "bf16" or args.recompute == "full"))}
     saved, saved_formula = comm.allgather(stage.meter.bytes), comm.allgather(activation_bytes(args, counted["pipeline"].Get_rank()))
     lines = [f"final loss {losses[-1]:.4f} (first step {losses[0]:.4f}; a uniform guess is ln {VOCAB} = {math.log(VOCAB):.4f}) | {args.optimizer}, "
              f"lr {args.lr:g} {args.lr_schedule}" + f", gradient norm clipped at {sum(n > args.clip_grad for n in norms)} of {len(norms)} steps" * bool(args.clip_grad),
@@ -1211,7 +1216,7 @@ def report(comm, args, run, stage, buckets, losses, norms, records, counted, ide
              f"bubble: measured {100 * bubble:.0f}% of the step waiting for a peer | theory (P-1)/(M+P-1) = "
              f"{P - 1}/{M + P - 1} = {100 * theory:.0f}% | dry run {100 * (1 - 2 * M / slots):.0f}%",
              f"communication per step, summed over the grid, measured | formula (e = {2 if args.precision == 'bf16' else 4}, "
-             f"R = {int(args.recompute != 'none')}, F = {2 * args.layers * (args.recompute == 'full')}):",
+             f"R = {int(args.recompute != 'none')}, F = {(1 if moes else 2) * args.layers * (args.recompute == 'full')}" + f", f = {int(args.recompute == 'full')}" * bool(moes) + "):",
              *(f"  {axis:8} {measured[axis][k]:g} {'messages' if k else 'collectives'}, {measured[axis][2]:,.0f} "
                f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,.0f}"
                for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0), ("expert", 0))),
@@ -1259,13 +1264,14 @@ def formulas(args, comm, stage, buckets, dropped):
     """The docstring's (collectives, messages, bytes) a step by axis, from the ranks' parameters, buckets and drops."""
     P, D, C, T, M, E, X, K = args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.ep, args.experts, args.top_k
     L, B, S, h, N, G, SP = args.layers, args.batch_size, args.seq_len, args.hidden, D * C, 2 if X else 4, args.sequence_parallel
-    e, rerun, again = 2 if args.precision == "bf16" else 4, args.recompute != "none", G * L // 2 * (args.recompute == "full")  # R, F
+    e, rerun, full = 2 if args.precision == "bf16" else 4, args.recompute != "none", args.recompute == "full"  # R, and F = GL/2 if full
+    again = G * L // 2 * full
     moved = e * B * S * h  # an activation as it moves: bf16 in bf16 runs; every sum float32
     activation, zero, expert, n, kinds = 4 * B * S * h, args.zero_stage == 1 and N > 1, 8 * h * h + 5 * h, N // E, [hasattr(b[0], "expert") for b in buckets.buckets]
     params, dense_b, expert_b, dense_pad, expert_pad = (sum(v) for v in zip(*comm.allgather((sum(p.numel() for p in stage.parameters()), kinds.count(False), kinds.count(True), *(sum(e for e, k in zip(buckets.padded, kinds) if k == kind) for kind in (False, True))))))
     replicated = S * h + 2 * h + L * (5 * h + X * h if X else 6 * h)  # held whole on every tensor-parallel rank
     W = 2 * padded_vocab(T) * h + S * h + L * (4 * h * h + 8 * h + (X * h if X else 8 * h * h + 5 * h)) + 2 * h + (T - 1) * replicated
-    W_x, R_r, counts, routed, valid = T * L * X // E * expert, replicated + L * X // E * expert, 8 * X * L * M * N * T, K * B * S * (1 if SP else T), T * (N > 1) * args.ragged  # valid: --ragged's count, an Allreduce in each of the last stage's T groups
+    W_x, R_r, counts, routed, valid = T * L * X // E * expert, replicated + L * X // E * expert, 8 * X * L * M * N * T * (1 + full), K * B * S * (1 if SP else T), T * (N > 1) * args.ragged  # valid: --ragged's count, an Allreduce in each of the last stage's T groups
     assert params == N * (W + W_x)  # what the ranks hold, added up
     return {"pipeline": (0, 2 * M * (P - 1) * N * T, 2 * (P - 1) * (1 if SP else T) * moved),
             "data": ((dense_b // N * (N > 1) + expert_b // n * (n > 1) + valid, 0, N * 4 * (W * (N > 1) + W_x * (n > 1)) + 8 * N * valid) if not zero else
@@ -1274,8 +1280,8 @@ def formulas(args, comm, stage, buckets, dropped):
             "tensor": (N * M * ((2 * G + 6 + 4 * X // E) * L + 10 + 2 * again), 0, (G * L + 2 + again) * T * activation
                        + (G * L + 1 + again) * moved + activation + 12 * B * S * T + 4 * M * N * T * R_r)
             if SP else (N * M * (G * L + 5 + again) * (T > 1), 0, T * ((G * L + 2 + again) * activation + 12 * B * S) * (T > 1)),
-            "expert": (5 * L * M * N * T // E * (E > 1) + L * M * (N * T > 1), 0,  # routed: pairs a block, T copies without SP
-                       float((16 * h * (L * routed - dropped) + counts) * (E > 1) + counts * (N * T > 1))) if X else (0, 0, 0)}
+            "expert": ((5 + 3 * full) * L * M * N * T // E * (E > 1) + (1 + full) * L * M * (N * T > 1), 0,  # routed: pairs a block, T copies without SP
+                       float(((4 + 2 * full) * e * h * (L * routed - dropped) + counts) * (E > 1) + counts * (N * T > 1))) if X else (0, 0, 0)}
 
 def check_tags(comm, m):
     """MPI promises tags up to 32767 only (MPI_TAG_UB says how far this library goes): refuse an M whose largest tag, 2M - 1, it cannot carry, rather than fail inside MPI mid-step."""
@@ -1339,8 +1345,6 @@ def parse_args(argv, world_size):
                           f"--top-k {args.top_k} of --experts {X} leaves the router no choice; use --experts {args.top_k + 1} or more" if args.top_k >= X
                           else f"--ep {E} must divide both the D x C = {N} data- and context-parallel ranks of a stage and --experts {X}; "
                           f"use --ep " + " or ".join(str(e) for e in range(1, N + 1) if N % e == 0 == X % e))
-    if X and (args.precision == "bf16" or args.recompute != "none"):  # not offered yet: see the docstring
-        raise ConfigError("--experts with --precision bf16 or --recompute is not offered yet; train the experts in fp32, without --recompute")
     args.dp, args.ep, share = D, E if X else 1, args.batch_size // D if args.batch_size % D == 0 else 0
     M = args.micro_batches = args.micro_batches or next((k for k in range(min(4, share), 0, -1) if share % k == 0), 1)
     if args.batch_size % (D * M):

@@ -52,8 +52,8 @@ memory to their measured peaks):
                   L x 2S x ((2+R)e(N-1) + 4N), all-gather L x 2S x ((2+R)e + 4N), all-to-all L x 4S x (2+R)e,
                   R = 1 when recomputation reruns the exchange; + 8 (the loss, float64)
   expert axis     expert_parallel.py, "Communication per step": 4 L k n h x bytes by Alltoallv, L E 8 for the
-                  counts and L E 8 for the router's counts; dense gradients over all data ranks, expert
-                  gradients over the dp / ep copies of each expert
+                  counts and L E 8 for the router's counts, with full recomputation 6 and twice; dense
+                  gradients over all data ranks, expert gradients over the dp / ep copies of each expert
   bubble          pipeline_parallel.py, docstring "The bubble": (P-1)/(M+P-1) gpipe and 1f1b, (P-1)/(VM+P-1)
                   interleaved, 1 - 3M/(2M+P-1+max(M,P)) zb-h1, (P-1)/(6M+P-1) zbv
   memory          sharded_data_parallel.py, "Memory per rank" (ZeRO, and Megatron's and FSDP's bf16): float32
@@ -322,8 +322,9 @@ def axis_bytes(m, g, tr, batch, stage):
         per_layer = {"ring": 2 * S * ((2 + R) * e * (N - 1) + 4 * N), "allgather": 2 * S * ((2 + R) * e + 4 * N),
                      "alltoall": 4 * S * (2 + R) * e}[g.cp_comm]
         out["context"] = blocks * per_layer + 8
-    if m.experts > 1 and g.ep > 1:
-        out["expert"] = 4 * blocks * m.top_k * tokens * h * e + 2 * blocks * m.experts * 8
+    if m.experts > 1 and g.ep > 1:   # full: the forward's dispatch, combine and counts again in backward
+        full = tr.recompute == "full"
+        out["expert"] = (4 + 2 * full) * blocks * m.top_k * tokens * h * e + 2 * (1 + full) * blocks * m.experts * 8
     return out
 
 
@@ -574,7 +575,8 @@ def stage_terms(m, g, tr, batch, hw, stage):
         comm["context"] = (3 * g.micro * blocks * (g.cp - 1) * alpha, b["context"] / beta)
     elif g.cp > 1:
         comm["context"] = collective_time(g.cp, b["context"], g.micro * blocks * 4, alpha, beta, "allgather")
-    comm["expert"] = collective_time(g.ep, b["expert"], g.micro * blocks * 4, *link(g, hw, "expert"), "alltoall")
+    calls = g.micro * blocks * (6 if tr.recompute == "full" else 4)   # dispatch and combine, each way
+    comm["expert"] = collective_time(g.ep, b["expert"], calls, *link(g, hw, "expert"), "alltoall")
     alpha, beta = link(g, hw, "pipeline")
     messages = 2 * g.micro * (g.virtual if g.schedule == "interleaved" else 1)
     comm["pipeline"] = (messages * alpha, b["pipeline"] / beta) if g.pp > 1 else (0.0, 0.0)
@@ -684,15 +686,13 @@ def check_grid(m, g, tr, batch, gpus=None, hybrid=False):
 
 def hybrid_refusal(m, g, tr):
     """What hybrid_parallel.py does not run: its grid is dp x cp x tp x pp, 1F1B, ZeRO-1 at most, the
-    context axis a ring, experts top-1 or top-2 in float32 without recomputation, its own GPT."""
+    context axis a ring, experts top-1 or top-2, its own GPT."""
     checks = [
         (g.pp > 1 and g.schedule != "1f1b", f"hybrid_parallel.py runs 1F1B, not schedule={g.schedule}"),
         (g.zero > 1, f"hybrid_parallel.py runs ZeRO-1 at most, not zero={g.zero}"),
         (g.cp > 1 and g.cp_comm != "ring", f"hybrid_parallel.py's context axis is a ring, not cp_comm={g.cp_comm}"),
         (m.experts > 1 and m.top_k > 2,
          f"hybrid_parallel.py routes each token to 1 or 2 experts, not --top-k {m.top_k}"),
-        (m.experts > 1 and (tr.precision == "bf16" or tr.recompute != "none"),
-         "hybrid_parallel.py trains experts in fp32 without recomputation; use --precision fp32 --recompute none"),
         (m.kv_heads or m.ffn_hidden,
          "hybrid_parallel.py has no --kv-heads or --ffn-hidden (its GPT: every head its own k and v, a GELU MLP)"),
     ]
@@ -1267,8 +1267,6 @@ def print_plans(args, m, hw, tr, plans, skill):
                                    (f"the {g['schedule']} schedule", g["pp"] > 1 and g["schedule"] != "1f1b"),
                                    (f"cp_comm={g['cp_comm']}", g["cp"] > 1 and g["cp_comm"] != "ring"),
                                    (f"top-{m.top_k} routing", m.experts > 1 and m.top_k > 2),
-                                   ("experts in bf16 or with recomputation", m.experts > 1 and
-                                    (tr.precision == "bf16" or tr.recompute != "none")),
                                    ("--kv-heads", bool(m.kv_heads) and m.kv_heads != m.heads),
                                    ("--ffn-hidden (SwiGLU)", bool(m.ffn_hidden)),
                                    (f"a vocabulary of {m.vocab} (it trains on 128 ASCII codes)", m.vocab != 128)) if on]
