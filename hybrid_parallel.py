@@ -78,8 +78,7 @@ Memory per rank, W_r its stage's parameters (its slice of the T-way split, X/E e
   input. Y: (4, bf16 6)abs^2/t + s^2 (softmax, bf16 copy, mask) at C = 1; ebsh/t + 4abs/t (ring output, lse) at C > 1.
   Once: 9bs + 8s/c on stage 0, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded); min(M, P - s) of them.
 Checkpoints (--save, --resume): the whole model's tensors and optimizer state by one process's names, in blocks
-(blocks_held), each element written once; a resume on any grid reads the blocks it holds there. Experts: which
-sequences share a balancing loss or a capacity is the grid's (D, M): --check replays each step's grid.
+(blocks_held), each element written once; a resume on any grid reads the blocks it holds there (--check: its grids).
 
 When to choose it: the model outgrows a node, or the sequence a device: tensor in a node, context next, pipeline across
 nodes, data parallelism over the replicas left; experts when parameters must grow and compute not.
@@ -451,7 +450,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(args.hidden, args.experts, bias=False)
         self.experts = nn.ModuleList(MLP(args.hidden) for _ in range(args.experts))
         self.top_k, self.capacity_factor, self.aux_coef = args.top_k, args.capacity_factor, args.aux_loss_coef
-        self.group = self.routers = None  # build_stage() sets them (and scale: the aux loss's share of the step's)
+        self.group = self.routers = self.written = None  # build_stage() sets them (scale: the aux loss's share)
         self.scale, self.dropped, self.gap = 1.0, 0, math.inf  # the report's: pairs dropped, smallest top-k gap
     def forward(self, x):
         tokens, k, X = x.reshape(-1, x.size(-1)), self.top_k, self.router.out_features
@@ -459,6 +458,8 @@ class MoE(nn.Module):
             probs = self.router(tokens).softmax(dim=-1)
         ranked, order = probs.sort(dim=-1, descending=True, stable=True)
         self.gap = min(self.gap, (ranked[:, k - 1] - ranked[:, k]).min().item())
+        if self.written is not None and torch.is_grad_enabled():  # --check's one process follows the choices made
+            self.written.append(order[:, :k])
         pairs, gates = order[:, :k].reshape(-1), ranked[:, :k]  # token t's choice c is pair t K + c
         exact = fractions.Fraction(repr(self.capacity_factor or 0))  # F: an expert keeps its first ceil(F K n / X)
         limit = math.inf if self.capacity_factor is None else math.ceil(exact * k * len(tokens) / X)
@@ -478,9 +479,8 @@ class MoE(nn.Module):
         """rows sorted by expert, sent[i] of them for expert i. Dispatch: each to the rank of the group that holds its
         expert, which runs once on its rows from every rank; combine: the outputs back, in the order the rows left."""
         size, local, kind = self.group.Get_size(), len(self.experts), rows.device.type
-        received = sent  # [i x local + e]: rows from rank i for this rank's expert e
+        received = torch.empty_like(sent) if size > 1 else sent  # [i x local + e]: from rank i for this rank's expert e
         if size > 1:
-            received = torch.empty_like(sent)
             buffer = mpi_buffer(received, send=False)
             self.group.Alltoall(mpi_buffer(sent), buffer)
             from_mpi(received, buffer)
@@ -718,8 +718,6 @@ class ShardedOptimizer:
                 for p in bucket:
                     p.copy_(whole[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
-    def state_dict(self):
-        return self.inner.state_dict()
     def moments(self, field):
         """For a checkpoint: each parameter's `field` of the state, whole, all-gathered over the n ranks of each bucket
         (on the plain communicator: not the step's traffic). Before a first step, zeros: the same to SGD."""
@@ -913,7 +911,7 @@ def build_stage(args, axes, device, model=None):
         moe.experts = nn.ModuleList(moe.experts[e * per:(e + 1) * per])  # marked: their gradients, buckets of their own
         for p in moe.experts.parameters():
             p.expert = True
-        moe.group, moe.routers = axes["expert"], axes["stage"]
+        moe.group, moe.routers, moe.written = axes["expert"], axes["stage"], [] if args.check else None
         moe.scale = 1 / (args.micro_batches * args.tp ** args.sequence_parallel * (args.dp * args.cp) ** args.ragged)
     positions = shard_positions(args.seq_len, cp.Get_size(), args.layout)
     ring = Ring(cp, positions, device) if cp.Get_size() > 1 else None
@@ -1065,26 +1063,24 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # norm compared as a loss): no f, g, parallel layer, schedule, message, bucket or global_grad_norm. build_stage cuts the trained reference as each rank's stage was cut, so that
 # like is compared with like; the losses, from the uncut model and compared first, show a cut
 # that loses or repeats a part of the model. The mixture of experts it writes apart (reference_moe):
-# its own top K, the capacity counted pair by pair, every expert on every token weighted by gates,
+# the ranks' choices of experts followed (check(), below), its own before a resume, the capacity counted pair by pair, every expert on every token weighted by gates,
 # the load-balancing loss from its definition. What it must know of the grid it writes plainly:
 # which tokens each rank routed, in its order (its replica's micro-batch, its context rank's
 # positions, with sequence parallelism its tensor rank's piece): capacity and the loss's counts
 # are per rank and per micro-batch; after a resume on another grid, each step's as the grid that
 # trained it (args.grids). What it cannot see: a fault that the ranks' router and the
 # reference share through torch (softmax, a stable sort), and nothing about which rank ran which
-# expert (the result is the same). Near-ties: the reference routes on its own, so a token whose
-# K-th and (K+1)-th probabilities differ by less than float32 rounding (about 1e-7) could choose
-# otherwise there and fail the check with no bug; the run prints the smallest such gap, and in
-# the tests' runs it stays above 1e-7 (measured, in their assertions).
-def reference_training(args, device):
-    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear and F.cross_entropy, no MPI."""
+# expert (the result is the same). Which sequences share a balancing loss or a capacity is the grid's (D, M): the
+# reference replays each step's grid. Near-ties: see the comment above check().
+def reference_training(args, device, followed=None):
+    """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear and F.cross_entropy, no MPI;
+    with experts, the choices `followed` (step x block x B x S x K, -1: its own) where the ranks made them."""
     model, lr, W, losses, norms = build_model(args).to(device), args.lr, args.warmup_steps, [], []
     optimizer, schedule = make_optimizer(args, model.parameters()), [lr * (k + 1) / W for k in range(W)] + [lr if args.lr_schedule == "constant" else lr / 10 + 0.45 * lr * (1 + math.cos(math.pi * k / max(1, args.steps - W))) for k in range(args.steps - W)]
     for step in range(args.steps):  # routed as the grid that trained the step (args.grids: a resume may change it)
-        grid = [flags for start, flags in args.grids if start <= step][-1]
-        trained = argparse.Namespace(**vars(args) | {flag.replace("-", "_"): value for flag, value in grid.items()})
-        for block in model.blocks if args.experts else ():
-            block.mlp.forward = functools.partial(reference_moe, block.mlp, trained)
+        trained = argparse.Namespace(**vars(args) | {f.replace("-", "_"): v for f, v in [g for start, g in args.grids if start <= step][-1].items()})
+        for i, block in enumerate(model.blocks) if args.experts else ():
+            block.mlp.forward = functools.partial(reference_moe, block.mlp, trained, None if followed is None else followed[step, i])
         x, y = (t.to(device) for t in make_batch(args.seed, step, args.batch_size, args.seq_len, args.ragged))
         with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):  # bf16 against bf16
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)  # over the valid targets
@@ -1096,13 +1092,14 @@ def reference_training(args, device):
         losses.append(loss.item())
     return losses, norms, model
 
-def reference_moe(moe, args, x):
+def reference_moe(moe, args, followed, x):
     """The mixture of experts in one process, written apart from MoE (see the comment above reference_training)."""
     (B, S, _), X, K, M, D, F_ = x.shape, len(moe.experts), moe.top_k, args.micro_batches, args.dp, moe.capacity_factor
     with torch.autocast(x.device.type, enabled=False):  # the router in float32, in bf16 too, as the ranks'
         probs, b, T = torch.softmax(x @ moe.router.weight.T, dim=-1), B // (D * M), args.tp if args.sequence_parallel else 1
-    choice = probs.detach().argsort(dim=-1, descending=True, stable=True)[..., :K]  # B x S x K; a tie: the lowest index first
-    keep, moe.aux = torch.ones(B, S, K, dtype=torch.bool).tolist(), 0
+    own = probs.detach().argsort(dim=-1, descending=True, stable=True)[..., :K]  # B x S x K; a tie: the lowest index first
+    choice, keep, moe.aux = own if followed is None else torch.where(followed < 0, own, followed.to(own)), torch.ones(B, S, K, dtype=torch.bool).tolist(), 0
+    moe.disagreement = max(getattr(moe, "disagreement", 0.0), (probs.gather(-1, own) - probs.gather(-1, choice)).sum(-1).abs().max().item())
     # The tokens each rank routed, in its order: sequences (d M + m) b to (d M + m + 1) b - 1 (micro-batch m of
     # replica d; b a micro-batch's), at the positions of context rank c (--sequence-parallel: tensor rank t's piece).
     for d, m, c, t in [(d, m, c, t) for d in range(D) for m in range(M) for c in range(args.cp) for t in range(T)] if F_ else ():
@@ -1142,9 +1139,24 @@ MOMENTS = {"sgd": {"momentum": "momentum_buffer"}, "adamw": {"exp_avg": "exp_avg
 # sides; the tests' 3 steps, --ep 2 on 4 ranks with data, tensor with sequence parallelism, pipeline, context with a
 # capacity, recomputation full and the recipe) 9.7e-4 to 3.9e-3; the default 40 steps with --experts 4 at N = 1, 2, 4
 # 6.6e-3, 5.2e-3, 6.1e-3, the same with --recompute full; an expert's gradient E times too far 0.13 (6.6x).
+# Experts: a near-tie between a token's K-th and (K+1)-th expert flips on float32 rounding (the ranks route other
+# shapes of batch, from inputs rounded otherwise): the default 40 steps with --experts 4 at N = 4 met a gap of 3.0e-8 and
+# differed by 3.6e-4 where the reference chose for itself. So it follows the ranks (as expert_parallel.py's does): each
+# rank's choices (MoE.written), step x block x B x S x K, reach rank 0 by an MPI_MAX over -1 elsewhere (and before a
+# resume: the reference chooses there); where the reference's own top K would have taken more probability than the
+# ranks', the largest such gap joins the check's max: a flip on rounding shows by its gap (3.0e-8 there; that run's
+# check 6.6e-6), a router that chose wrongly on the ranks by much more. The tests' plants: the choices written down
+# moved to the next expert 0.11; the ranks' router taking the K least likely experts 0.13, which without the gap's
+# term the followed reference would match (4.8e-7).
 def check(comm, args, device, losses, norms, stage, counted):
-    """Rank 0 trains the reference and broadcasts it; each rank cuts it as its stage was, compares; all get the max."""
-    reference, (ref_losses, ref_norms, trained) = build_model(args), reference_training(args, device) if comm.Get_rank() == 0 else [None] * 3
+    """Rank 0 trains the reference (following the ranks' experts: above) and broadcasts it; each rank cuts it, compares."""
+    (p, d, _, _), M, where, b = coordinates(comm.Get_rank(), args.dp, args.cp, args.tp), args.micro_batches, stage.where.cpu(), args.batch_size // (args.dp * args.micro_batches)
+    followed = torch.full((args.steps, args.layers, args.batch_size, args.seq_len, args.top_k) if args.experts else (), -1, dtype=torch.int16)
+    for i, block in enumerate(stage.blocks if args.experts else (), start=layer_split(args.layers, args.pp)[p][0]):
+        for j, choice in enumerate(block.mlp.written, start=args.steps * M - len(block.mlp.written)):  # step j // M, micro-batch j % M
+            followed[j // M, i, torch.arange(b)[:, None] + (d * M + j % M) * b, where] = choice.view(b, len(where), -1).to(followed).cpu()
+    comm.Reduce(MPI.IN_PLACE if comm.Get_rank() == 0 else followed, followed, op=MPI.MAX, root=0)
+    reference, (ref_losses, ref_norms, trained) = build_model(args), reference_training(args, device, followed) if comm.Get_rank() == 0 else [None] * 3
     flat = nn.utils.parameters_to_vector((reference if trained is None else trained).parameters()).detach().cpu()
     request = comm.Ibcast(flat, root=0)
     while not request.Test():
@@ -1152,23 +1164,21 @@ def check(comm, args, device, losses, norms, stage, counted):
     nn.utils.vector_to_parameters(flat, reference.parameters())
     diff = max_difference(losses + norms, stage.state_dict(), sum(comm.bcast((ref_losses, ref_norms), root=0), []),
                           build_stage(args, counted, device, reference))
-    return comm.allreduce(diff, op=MPI.MAX)
+    return comm.allreduce(max([diff, *(b.mlp.disagreement for b in trained.blocks if args.experts)] if trained else [diff]), op=MPI.MAX)
 
 def activation_bytes(args, s):
     """The docstring's activations of one micro-batch on stage s (9bs, 8s/c: indices, masks); None with experts."""
     b, n, h, a, T = args.batch_size // (args.dp * args.micro_batches), args.seq_len // args.cp, args.hidden, args.heads, args.tp
     e, cut, (lo, hi) = 2 if args.precision == "bf16" else 4, T if args.sequence_parallel else 1, layer_split(args.layers, args.pp)[s]
     core = (e * b * n * h + 4 * a * b * n) // T if args.cp > 1 else (4 if e == 4 else 6) * a * b * n * n // T + n * n
-    block = (8 * b * n * h + 16 * b * n) // cut + 2 * e * b * n * h + 12 * e * b * n * h // T + core * (args.recompute == "none")
-    block = 4 * b * n * h // cut if args.recompute == "full" else block
+    block = 4 * b * n * h // cut if args.recompute == "full" else (8 * b * n * h + 16 * b * n) // cut + 2 * e * b * n * h + 12 * e * b * n * h // T + core * (args.recompute == "none")
     last = (4 * b * n * h + 8 * b * n) // cut + e * b * n * h + 4 * b * n * padded_vocab(T) // T + 9 * b * n
     return None if args.experts else (hi - lo) * block + (9 * b * n + 8 * n // cut) * (s == 0) + last * (s == args.pp - 1)
 
 def print_header(comm, args, run, stage, buckets, resumed):
     (P, D, C, T, M, X), per_rank = (args.pp, args.dp, args.cp, args.tp, args.micro_batches, args.experts), comm.allgather((sum(p.numel() for p in stage.parameters()), len(buckets.buckets)))
     stages = " | ".join(f"stage {s}: " + "embedding + " * (s == 0) + f"blocks {lo}-{hi - 1}" + " + norm, head, loss" * (s == P - 1) for s, (lo, hi) in enumerate(layer_split(args.layers, P)))
-    saved = resumed["state"]["grids"][-1][1].items() if resumed else ()
-    grid = " ".join(f"--{flag}" + f" {v}" * (v is not True) for flag, v in saved if v is not False)  # that wrote it
+    grid = " ".join(f"--{flag}" + f" {v}" * (v is not True) for flag, v in (resumed["state"]["grids"][-1][1].items() if resumed else ()) if v is not False)
     print0(comm, *([f"resumed from {args.save} at step {resumed['step']} (written by {resumed['world_size']} ranks) with {grid}"] if resumed else []),
            *run.header, f"model: GPT, {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, {sum(p.numel() for p in build_model(args).parameters()):,} "
            "parameters" + f", each block's MLP {X} experts, top-{args.top_k}, " * (X > 0) + ("dropless" if args.capacity_factor is None else
@@ -1221,7 +1231,7 @@ def report(comm, args, run, stage, buckets, losses, norms, records, counted, ide
                f"bytes | {text[axis][0]} = {formula[axis][k]}, {text[axis][1]} = {formula[axis][2]:,.0f}"
                for axis, k in (("pipeline", 1), ("data", 0), ("context", 1), ("tensor", 0), ("expert", 0))),
              *[f"experts: (token, choice) pairs dropped a step, all ranks: {float(dropped):g} | smallest gap between a token's K-th and "
-               f"(K+1)-th router probability: {gap:.1e} (float32 rounding, about 1e-7, may flip a smaller one: see the check)"] * bool(moes),
+               f"(K+1)-th router probability: {gap:.1e} (rounding may flip a smaller one: the check follows the ranks)"] * bool(moes),
              f"activations one micro-batch's forward saves per rank ({args.precision}, --recompute {args.recompute}), bytes: measured "
              f"{' '.join(map(str, saved))} | formula " + (" ".join(map(str, saved_formula)) if not moes else "not given with experts")]
     return finish(comm, args, run, losses, records, diff, "losses, gradient norms, parameters", lines, {
@@ -1295,24 +1305,33 @@ SIZES = (("--layers", 4, "transformer blocks"), ("--hidden", 64, "hidden size"),
          "x tp))"), ("--micro-batches", None, "micro-batches per replica's share (default: the most, up to 4, that it splits into)"),
          ("--ep", None, "ranks of an expert group, folded over a stage's D x C (default: the most that divide D x C and the experts)"))
 
+OPTIONS = (  # flag, argparse's keywords: this file's flags of plain types (SIZES: its counts)
+    ("--sequence-parallel", dict(action="store_true", help="cut the sequence between the tensor-parallel ranks outside their "
+                                 "layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")),
+    ("--layout", dict(default="zigzag", choices=("zigzag", "contiguous"), help="context parallelism's positions: chunks c and "
+                      "2C-1-c of 2C (zigzag), or the c-th of C")),
+    ("--top-k", dict(type=int, choices=(1, 2), default=2, help="experts per token")),
+    ("--zero-stage", dict(type=int, choices=(0, 1), default=0, help="1: the optimizer's state sharded over the ranks that sum "
+                          "each gradient (ZeRO-1: reduce-scatter, step a slice, all-gather)")),
+    ("--optimizer", dict(choices=("sgd", "adamw"), default="adamw", help="SGD (momentum 0.9) or AdamW (betas 0.9, 0.95, eps "
+                         "1e-8, weight decay 0.1)")),
+    ("--lr-schedule", dict(choices=("constant", "cosine"), default="cosine", help="after the warm-up: --lr throughout, or a "
+                           "cosine from --lr towards lr / 10 at --steps")),
+    ("--ragged", dict(action="store_true", help="documents of uneven length: the loss over the valid targets")))
+
 def parse_args(argv, world_size):
     p = common_arguments("Hybrid (pipeline x data x context x tensor x expert) parallelism over MPI: a small GPT on "
                          "Python's own source.", steps=40, batch_size=16, lr=1e-3, log_every=10)
     for flag, default, text in SIZES:
         p.add_argument(flag, type=COUNT, default=default, help=text)
-    p.add_argument("--sequence-parallel", action="store_true", help="cut the sequence between the tensor-parallel ranks outside their layers (LayerNorms, residuals): all-gather and reduce-scatter for f and g")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"), help="context parallelism's positions: chunks c and 2C-1-c of 2C (zigzag), or the c-th of C")
+    for flag, options in OPTIONS:
+        p.add_argument(flag, **options)
     p.add_argument("--bucket-mb", type=AMOUNT, default=25.0, help="gradient bucket size in MB")
     p.add_argument("--experts", type=COUNT_OR_0, default=0, help="expert MLPs in every block (0: the dense MLP)")
-    p.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token")
     p.add_argument("--capacity-factor", type=AMOUNT, help="at most ceil(F K n / X) pairs per expert from each rank's n tokens (default: dropless)")
     p.add_argument("--aux-loss-coef", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=0.01, help="alpha of the load-balancing loss")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="1: the optimizer's state sharded over the ranks that sum each gradient (ZeRO-1: reduce-scatter, step a slice, all-gather)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="SGD (momentum 0.9) or AdamW (betas 0.9, 0.95, eps 1e-8, weight decay 0.1)")
     p.add_argument("--clip-grad", type=checked(float, lambda v: v >= 0 and math.isfinite(v), "0 or more"), default=1.0, metavar="MAX_NORM", help="clip the global gradient norm to MAX_NORM, as clip_grad_norm_ does (0: off)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine", help="after the warm-up: --lr throughout, or a cosine from --lr towards lr / 10 at --steps")
     p.add_argument("--warmup-steps", type=COUNT_OR_0, help="linear warm-up: step s (from 0) at lr (s + 1) / W (default: --steps / 10)")
-    p.add_argument("--ragged", action="store_true", help="documents of uneven length: the loss over the valid targets")
     args = check_common(p.parse_args(argv))
     args.warmup_steps = args.steps // 10 if args.warmup_steps is None else args.warmup_steps  # a tenth by default
     if args.warmup_steps >= args.steps:

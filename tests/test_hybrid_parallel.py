@@ -308,7 +308,7 @@ def test_zero_1_trains_like_one_process_with_a_slice_of_the_momentum_on_each_ran
         if comm is not None:
             assert_trains_like_one_process(comm, pp, dp, cp, tp, ["--zero-stage", "1", *extra])
             _, _, _, _, _, _, _, _, optimizer, *_ = train_on(comm, pp, dp, cp, tp, ["--zero-stage", "1", "--steps", "1", *extra])
-            kept = sum(s["momentum_buffer"].numel() for s in optimizer.state_dict()["state"].values())
+            kept = sum(s["momentum_buffer"].numel() for s in optimizer.state.values())
             assert agree(kept == sum(optimizer.buckets.padded) // (dp * cp), comm)
 
 
@@ -385,6 +385,46 @@ def test_an_expert_gradient_divided_by_its_holders_fails_the_check(precision):
             diff = train_on(comm, 1, 4, 1, 1, ["--ep", "2", *EXPERTS, "--precision", precision],
                             plant=divide_the_experts_by_their_holders)[1]
             assert max_everywhere(diff, comm) > (5 * hp.TOLERANCE_BF16 if precision == "bf16" else 10 * hp.TOLERANCE), diff
+
+
+def write_down_the_next_expert(forward):
+    """A planted fault in what the check follows: each choice the ranks wrote down moved on to the next expert."""
+    def planted(self, x):
+        y = forward(self, x)
+        self.written[-1] = (self.written[-1] + 1) % self.router.out_features
+        return y
+    return planted
+
+
+def route_to_the_least_likely(forward):
+    """A planted fault in the ranks' router, which following their choices would hide: the K least likely experts
+    taken (with their probabilities as gates), every other sort left as it was."""
+    def planted(self, x):
+        sort = torch.Tensor.sort
+        torch.Tensor.sort = lambda t, dim=-1, descending=False, stable=False: sort(t, dim=dim, stable=stable)
+        try:
+            return forward(self, x)
+        finally:
+            torch.Tensor.sort = sort
+    return planted
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [write_down_the_next_expert, route_to_the_least_likely])
+@pytest.mark.parametrize("pp,dp,cp,tp,extra", [(1, 4, 1, 1, ["--ep", "2"]), (2, 1, 1, 2, ["--sequence-parallel"])])
+def test_the_check_follows_the_experts_the_ranks_chose_and_says_how_far_its_own_would_differ(pp, dp, cp, tp, extra, plant,
+                                                                                             monkeypatch):
+    """The ranks write their choices down once a forward (steps x M a block) and the one process follows them (a
+    near-tie flips on rounding: the comment above check()). Planted, each fails the check: the written choices moved
+    to the next expert (the one process routes otherwise); the ranks' router taking the least likely experts, which
+    the one process follows to the same losses and parameters: only its own choice's disagreement shows it."""
+    with sub_comm(4) as comm:
+        if comm is not None:
+            stage = train_on(comm, pp, dp, cp, tp, [*extra, *EXPERTS])[10]
+            assert agree(all(len(b.mlp.written) == 3 * 2 for b in stage.blocks), comm)  # TINY: 3 steps, M = 2
+            monkeypatch.setattr(hp.MoE, "forward", plant(hp.MoE.forward))
+            diff = train_on(comm, pp, dp, cp, tp, [*extra, *EXPERTS])[1]
+            assert max_everywhere(diff, comm) > 10 * hp.TOLERANCE, diff
 
 
 @pytest.mark.mpi
@@ -571,7 +611,7 @@ def test_the_recipe_trains_like_one_process_with_the_norm_of_each_parameter_once
             assert max_everywhere(diff, comm) <= hp.TOLERANCE, diff
             assert agree(min(norms) > 1, comm), norms  # the clip acted at every step
             if "--zero-stage" in extra:
-                state = optimizer.state_dict()["state"].values()
+                state = optimizer.state.values()
                 moments = [sum(s[field].numel() for s in state) for field in ("exp_avg", "exp_avg_sq")]
                 assert agree(moments == [sum(optimizer.buckets.padded) // (dp * cp)] * 2, comm), moments
 
