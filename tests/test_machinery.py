@@ -59,6 +59,13 @@ def test_each_part_keeps_its_budget(script):
 
 
 @pytest.mark.parametrize("script", PRESENT)
+def test_the_readme_gives_each_lesson_its_length(script):
+    """README.md's table of files: the *lesson* column is the lines above the divider, as counted here."""
+    row = re.search(r"^\| `%s`[^|]*\| ([\d,]+) \|" % re.escape(script), (ROOT / "README.md").read_text(), re.M)
+    assert row and int(row.group(1).replace(",", "")) == len(parts(script)[0].splitlines()) + 1, script
+
+
+@pytest.mark.parametrize("script", PRESENT)
 def test_no_strategy_file_reads_a_test_hook(script):
     assert "FAIL_AT" not in (ROOT / script).read_text()
 
