@@ -1363,8 +1363,10 @@ def matrix_cases(ctx):
 
 def norms_against_the_reference(n, flags):
     """hybrid_parallel.py on the first n ranks, then on rank 0 its one-process reference trained once
-    more (the file's reference_training, as its check trains it) for the gradient norms' largest
-    |difference|, step by step: the script's check folds them into one number with the rest."""
+    more (the file's reference_training) for the gradient norms' largest |difference|, step by step:
+    the script's check folds them into one number with the rest. With experts this reference routes
+    on its own, where the check's follows the ranks' choices (which this process never sees): a
+    near-tie that flips can make this column the larger."""
     run = on_first(n, strategy("hybrid_parallel", *flags))
 
     def case(ctx):
