@@ -583,7 +583,8 @@ class SavedActivations:
     the activations (a view and its base, or one tensor saved twice, count once). Left out: the
     stage's parameters and buffers, and the bf16 copies autocast makes of parameters (the model's
     memory, not the batch's), known by their grad_fn: ToCopyBackward0 whose next function is a
-    parameter's AccumulateGrad (or a view of such a copy). self.bytes: the last forward's."""
+    parameter's AccumulateGrad (or a view of such a copy). self.bytes: the first forward's (every
+    step saves alike; the hooks cost time, so later steps run without them)."""
 
     def __init__(self, module):
         self.params = {id(p) for p in module.parameters()}
@@ -592,7 +593,7 @@ class SavedActivations:
 
     def __enter__(self):
         self.storages = {}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks = contextlib.nullcontext() if self.bytes else torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
         self.hooks.__enter__()
 
     def pack(self, t):
@@ -607,7 +608,7 @@ class SavedActivations:
 
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
-        self.bytes = sum(self.storages.values())
+        self.bytes = self.bytes or sum(self.storages.values())
 
 CHECK_TAG = 3  # the stages' parameters sent to rank 0 for the check; the step's messages use 1 and 2
 

@@ -673,7 +673,7 @@ def replicated_checksum(model):  # a bitwise fingerprint of the parameters every
 class SavedActivations:
     """Entered around a forward: the bytes of the tensors autograd saves for backward (each storage once,
     parameters and autocast's bf16 copies of them left out: a copy's grad_fn is ToCopyBackward0 whose next
-    function is the parameter's AccumulateGrad, or a view of one), held until backward; the most of any step."""
+    function is the parameter's AccumulateGrad, or a view of one), held until backward; the first step's (alike after)."""
 
     def __init__(self, model):
         self.parameters, self.bytes = {p.untyped_storage().data_ptr() for p in model.parameters()}, 0
@@ -686,7 +686,7 @@ class SavedActivations:
         return t
 
     def __enter__(self):
-        self.storages, self.hooks = {}, torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.storages, self.hooks = {}, contextlib.nullcontext() if self.bytes else torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
         self.hooks.__enter__()
 
     def __exit__(self, *exception):
