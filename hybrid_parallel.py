@@ -52,7 +52,7 @@ positions, row-parallel biases), Sh + (5 + X)Lh + 2h with experts (the routers);
   expert:   (5 + 3f)LMDCT/E + (1 + f)LM collectives, (4 + 2f)eh(LKBST' - d) + (1 + f)16XLMDCT bytes: per block and
             micro-batch in each group an Alltoall of the counts and 4 Alltoallv (dispatch, combine, each way) of a row
             per kept (token, choice) pair, over each stage an Allreduce of the router's counts; f = 1 with --recompute
-            full (the forward's again), else 0; T' = T (1 with sequence parallelism), d the pairs dropped a step.
+            full (its 3 and 1 rerun), else 0; T' = T (1 with sequence parallelism), d the pairs dropped a step.
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
   ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each bucket
             (still posted in backward) and an Allgather of the updated parameters after the step: 2 collectives per
@@ -78,7 +78,7 @@ Memory per rank, W_r its stage's parameters (its slice of the T-way split, X/E e
   input. Y: (4, bf16 6)abs^2/t + s^2 (softmax, bf16 copy, mask) at C = 1; ebsh/t + 4abs/t (ring output, lse) at C > 1.
   Once: 9bs + 8s/c on stage 0, bsh(4/c + e) + 8bs/c + 4bsV/t + 9bs on the last (V padded); min(M, P - s) of them.
 Checkpoints (--save, --resume): the whole model's tensors and optimizer state by one process's names, in blocks
-(blocks_held), each element written once; a resume on any grid reads the blocks it holds there (--check: its grids).
+(blocks_held), each element written once; a resume on any grid reads the blocks it holds (--check replays each grid).
 
 When to choose it: the model outgrows a node, or the sequence a device: tensor in a node, context next, pipeline across
 nodes, data parallelism over the replicas left; experts when parameters must grow and compute not.
@@ -1059,19 +1059,19 @@ def main(argv=None, comm=MPI.COMM_WORLD):
 # F.cross_entropy's mean over the valid targets of the whole batch (ignore_index), never the
 # ranks' count; padding still passes through each router, there as on the ranks (routed, counted
 # in capacities and in the load-balancing loss), since both run the model on the same inputs.
-# Its own: nn.Linear, nn.Embedding and whole logits, one process, one backward, the learning rates written out (not learning_rate), torch's clip_grad_norm_ (its
-# norm compared as a loss): no f, g, parallel layer, schedule, message, bucket or global_grad_norm. build_stage cuts the trained reference as each rank's stage was cut, so that
-# like is compared with like; the losses, from the uncut model and compared first, show a cut
-# that loses or repeats a part of the model. The mixture of experts it writes apart (reference_moe):
-# the ranks' choices of experts followed (check(), below), its own before a resume, the capacity counted pair by pair, every expert on every token weighted by gates,
-# the load-balancing loss from its definition. What it must know of the grid it writes plainly:
-# which tokens each rank routed, in its order (its replica's micro-batch, its context rank's
-# positions, with sequence parallelism its tensor rank's piece): capacity and the loss's counts
-# are per rank and per micro-batch; after a resume on another grid, each step's as the grid that
-# trained it (args.grids). What it cannot see: a fault that the ranks' router and the
-# reference share through torch (softmax, a stable sort), and nothing about which rank ran which
-# expert (the result is the same). Which sequences share a balancing loss or a capacity is the grid's (D, M): the
-# reference replays each step's grid. Near-ties: see the comment above check().
+# Its own: nn.Linear, nn.Embedding and whole logits, one process, one backward, the learning rates written out (not
+# learning_rate), torch's clip_grad_norm_ (its norm compared as a loss): no f, g, parallel layer, schedule, message,
+# bucket or global_grad_norm. build_stage cuts the trained reference as each rank's stage was cut, so that like is
+# compared with like; the losses, from the uncut model and compared first, show a cut that loses or repeats a part of
+# the model. The mixture of experts it writes apart (reference_moe): the ranks' choices of experts followed (check(),
+# below), its own before a resume, the capacity counted pair by pair, every expert on every token weighted by gates, the
+# load-balancing loss from its definition. What it must know of the grid it writes plainly: which tokens each rank
+# routed, in its order (its replica's micro-batch, its context rank's positions, with sequence parallelism its tensor
+# rank's piece): capacity and the loss's counts are per rank and per micro-batch; after a resume on another grid, each
+# step's as the grid that trained it (args.grids). What it cannot see: a fault that the ranks' router and the reference
+# share through torch (softmax, a stable sort), and nothing about which rank ran which expert (the result is the same).
+# Which sequences share a balancing loss or a capacity is the grid's (D, M): the reference replays each step's grid.
+# Near-ties: see the comment above check().
 def reference_training(args, device, followed=None):
     """The same steps in one plain process: the unsplit GPT on the whole batch at once, nn.Linear and F.cross_entropy, no MPI;
     with experts, the choices `followed` (step x block x B x S x K, -1: its own) where the ranks made them."""
@@ -1128,27 +1128,27 @@ MOMENTS = {"sgd": {"momentum": "momentum_buffer"}, "adamw": {"exp_avg": "exp_avg
 # is near its eps (1e-8): --ragged, 3 blocks of hidden 16, 3 steps, one process: 3.0e-5 (an out.weight gradient of 2.0e-8,
 # 1% off F.cross_entropy's); at lr 1e-3, 3.0e-6.
 # bf16, both sides under autocast: the tests' runs (3 steps, grids of 1, 2, 4 ranks, sequence-parallel, contiguous,
-# ZeRO-1) 5.5e-4 to 1.3e-3; the recipe's 3 steps 2.9e-3 to 3.5e-3 (--ragged too); the exactness matrix (bench/run.py,
-# 28 grids, the recipe) 4.0e-3 at most without experts, 6.1e-3 with (--tp 2 --ep 2): 2e-2 holds them 3.3x, and a 1/N
-# fault (0.16) is 8x past it. The default 40 steps, now the recipe, 5.8e-3 to 6.4e-3 at N = 1, 2, 4 on an AVX-512 BF16
-# CPU. With SGD at lr 0.1 they exceed it: on an AVX2 CPU --tp 2 3.2e-2, --pp 2 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp
-# 2 4.6e-2; on an AVX-512 BF16 one 0.32, 0.14, 0.21, 0.18, and 8.8e-2 in one process. The ranks round in other places than the reference (its whole batch in one
-# backward, its nn.Linear; the ranks' micro-batches, stage boundaries, partial products): accumulating the same
-# micro-batches and rounding at the same boundaries in the reference measured 0.32 -> 0.18 (--tp 2), 0.14 -> 4.9e-2
-# (--pp 2), 8.8e-2 -> 3.2e-2 (one process), not enough to hold SGD's run. Experts in bf16 (the router float32 on both
-# sides; the tests' 3 steps, --ep 2 on 4 ranks with data, tensor with sequence parallelism, pipeline, context with a
-# capacity, recomputation full and the recipe) 9.7e-4 to 3.9e-3; the default 40 steps with --experts 4 at N = 1, 2, 4
-# 5.4e-3, 6.6e-3, 5.5e-3, the same with --recompute full (fp32: 1.1e-6, 1.1e-6, 6.6e-6); an expert's gradient E times
-# too far 0.13 (6.6x).
-# Experts: a near-tie between a token's K-th and (K+1)-th expert flips on float32 rounding (the ranks route other
-# shapes of batch, from inputs rounded otherwise): the default 40 steps with --experts 4 at N = 4 met a gap of 3.0e-8 and
+# ZeRO-1) 5.5e-4 to 1.3e-3; the recipe's 3 steps 2.9e-3 to 3.5e-3 (--ragged too); the exactness matrix (bench/run.py, 28
+# grids, the recipe) 4.0e-3 at most without experts, 6.1e-3 with (--tp 2 --ep 2): 2e-2 holds them 3.3x, and a 1/N fault
+# (0.16) is 8x past it. The default 40 steps, now the recipe, 5.8e-3 to 6.4e-3 at N = 1, 2, 4 on an AVX-512 BF16 CPU.
+# With SGD at lr 0.1 they exceed it: on an AVX2 CPU --tp 2 3.2e-2, --pp 2 4.1e-2, --cp 2 --tp 2 6.8e-3, --pp 2 --dp 2
+# 4.6e-2; on an AVX-512 BF16 one 0.32, 0.14, 0.21, 0.18, and 8.8e-2 in one process. The ranks round in other places than
+# the reference (its whole batch in one backward, its nn.Linear; the ranks' micro-batches, stage boundaries, partial
+# products): accumulating the same micro-batches and rounding at the same boundaries in the reference measured 0.32 ->
+# 0.18 (--tp 2), 0.14 -> 4.9e-2 (--pp 2), 8.8e-2 -> 3.2e-2 (one process), not enough to hold SGD's run. Experts in bf16
+# (the router float32 on both sides; the tests' 3 steps, --ep 2 on 4 ranks with data, tensor with sequence parallelism,
+# pipeline, context with a capacity, recomputation full and the recipe) 9.7e-4 to 3.9e-3; the default 40 steps with
+# --experts 4 at N = 1, 2, 4 5.4e-3, 6.6e-3, 5.5e-3, the same with --recompute full (fp32: 1.1e-6, 1.1e-6, 6.6e-6); an
+# expert's gradient E times too far 0.13 (6.6x).
+# Experts: a near-tie between a token's K-th and (K+1)-th expert flips on float32 rounding (the ranks route other shapes
+# of batch, from inputs rounded otherwise): the default 40 steps with --experts 4 at N = 4 met a gap of 3.0e-8 and
 # differed by 3.6e-4 where the reference chose for itself. So it follows the ranks (as expert_parallel.py's does): each
 # rank's choices (MoE.written), step x block x B x S x K, reach rank 0 by an MPI_MAX over -1 elsewhere (and before a
 # resume: the reference chooses there); where the reference's own top K would have taken more probability than the
 # ranks', the largest such gap joins the check's max: a flip on rounding shows by its gap (3.0e-8 there; that run's
 # check 6.6e-6), a router that chose wrongly on the ranks by much more. The tests' plants: the choices written down
-# moved to the next expert 0.11; the ranks' router taking the K least likely experts 0.13, which without the gap's
-# term the followed reference would match (4.8e-7).
+# moved to the next expert 0.11; the ranks' router taking the K least likely experts 0.13, which without the gap's term
+# the followed reference would match (4.8e-7).
 def check(comm, args, device, losses, norms, stage, counted):
     """Rank 0 trains the reference (following the ranks' experts: above) and broadcasts it; each rank cuts it, compares."""
     (p, d, _, _), M, where, b = coordinates(comm.Get_rank(), args.dp, args.cp, args.tp), args.micro_batches, stage.where.cpu(), args.batch_size // (args.dp * args.micro_batches)
