@@ -52,7 +52,7 @@ positions, row-parallel biases), Sh + (5 + X)Lh + 2h with experts (the routers);
   expert:   (5 + 3f)LMDCT/E + (1 + f)LM collectives, (4 + 2f)eh(LKBST' - d) + (1 + f)16XLMDCT bytes: per block and
             micro-batch in each group an Alltoall of the counts and 4 Alltoallv (dispatch, combine, each way) of a row
             per kept (token, choice) pair, over each stage an Allreduce of the router's counts; f = 1 with --recompute
-            full (its 3 and 1 rerun), else 0; T' = T (1 with sequence parallelism), d the pairs dropped a step.
+            full (the 3 and the Allreduce again), else 0; T' = T (1 with sequence parallelism), d the pairs dropped.
   bubble:   (P - 1)/(M + P - 1) of each step idle, as in pipeline parallelism.
   ZeRO-1 (--zero-stage 1, Megatron's distributed optimizer): the allreduce becomes a reduce-scatter of each bucket
             (still posted in backward) and an Allgather of the updated parameters after the step: 2 collectives per

@@ -360,7 +360,7 @@ def test_the_expert_axis_alone_and_with_each_other_axis_trains_like_one_process(
             more = extra + EXPERTS + ["--capacity-factor", capacity] * (capacity is not None)
             losses, measured, (dropped, gap) = assert_trains_like_one_process(comm, pp, dp, cp, tp, more)
             assert agree(measured["expert"][2] > 0 and (dropped > 0) == (capacity is not None), comm), dropped
-            assert gap > 1e-7  # no near-tie that float32 rounding could flip (see the comment above reference_training)
+            assert 0 < gap < 1  # measured and reported (a near-tie may flip: the check follows the ranks' choices)
 
 
 def divide_the_experts_by_their_holders(buckets, optimizer):
@@ -439,7 +439,7 @@ def test_experts_in_bf16_train_like_one_process_in_bf16_and_move_their_rows_in_b
             _, measured, (dropped, gap) = assert_trains_like_one_process(comm, pp, dp, cp, tp, [*extra, *EXPERTS, "--precision", "bf16"])
             plain = train_on(comm, pp, dp, cp, tp, [*extra, *EXPERTS], check=False)[2]
             assert agree(0 < measured["expert"][2] < plain["expert"][2] and measured["expert"][0] == plain["expert"][0], comm)
-            assert (dropped > 0) == ("--capacity-factor" in extra) and gap > 1e-7, (dropped, gap)
+            assert (dropped > 0) == ("--capacity-factor" in extra) and 0 < gap < 1, (dropped, gap)
 
 
 @pytest.mark.mpi
@@ -459,7 +459,7 @@ def test_experts_with_recomputation_train_like_one_process_and_exchange_again_in
             assert agree(none == selective == full if "bf16" not in extra else
                          max(abs(a - b) for a, b in zip(none + none, selective + full)) <= hp.TOLERANCE_BF16, comm)
             assert agree(again["expert"] == plain["expert"] and twice["expert"][0] > plain["expert"][0], comm)
-            assert len({r[2] for r in runs.values()}) == 1 and (dropped[0] > 0) == ("--capacity-factor" in extra), runs
+            assert len({r[2][0] for r in runs.values()}) == 1 and (dropped[0] > 0) == ("--capacity-factor" in extra), runs
 
 
 @pytest.mark.mpi
