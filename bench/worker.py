@@ -24,7 +24,9 @@ import importlib
 import inspect
 import io
 import json
+import math
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -169,6 +171,11 @@ def defaults(module, world_size, *flags):
 # -----------------------------------------------------------------------------
 # Ours on gloo: a communicator with mpi4py's buffer methods, its exchanges carried by gloo
 # -----------------------------------------------------------------------------
+# A rank that Tests a send, a receive or a reduce-scatter again within POLLING_S polls it: it waits
+# (the scripts nap 1e-4 s between polls, and Test a send once an action, a reduce-scatter once a
+# layer: milliseconds apart here). TESTS_BEFORE_A_WAITER Tests in all are taken for polling too,
+# whatever their pace (a nap may last longer on a busy core).
+POLLING_S, TESTS_BEFORE_A_WAITER = 1e-3, 1000
 GLOO_OPS = ((MPI.SUM, dist.ReduceOp.SUM), (MPI.MAX, dist.ReduceOp.MAX), (MPI.MIN, dist.ReduceOp.MIN),
             (MPI.PROD, dist.ReduceOp.PRODUCT))  # mpi4py's operations are not hashable
 
@@ -226,21 +233,60 @@ def vector_counts(spec, size):
     return counts
 
 
+class Waiters:
+    """Daemon threads that wait on gloo works for GlooRequest.Test, each kept for the next work once
+    its own is done: Thread.start() returns only once the new thread has run, which on a busy core
+    is a scheduler's wait (a thread started per work cost 1F1B and interleaved at N = 4 on 2 cores
+    about a tenth of their step).
+    There is a thread for every work handed over and not yet done, so that one waiting on an early
+    work never holds up a later one: the ranks may wait for them in any order."""
+
+    def __init__(self):
+        self.works, self.lock, self.idle = queue.SimpleQueue(), threading.Lock(), 0
+
+    def hand_over(self, request):
+        with self.lock:
+            start, self.idle = self.idle == 0, max(self.idle - 1, 0)
+        if start:
+            threading.Thread(target=self.serve, daemon=True).start()
+        self.works.put(request)
+
+    def serve(self):
+        while True:
+            request = self.works.get()
+            request.wait_on_thread()
+            with self.lock:  # idle before it says done: the rank's next work finds it
+                self.idle += 1
+            request.done.set()
+
+
+WAITERS = Waiters()
+
+
 class GlooRequest(MPI.Request):
     """An mpi4py request (so that a strategy's counting wrapper times its Wait as MPI's) over a gloo
     work; holds the tensors until the work is done, and runs `then` (a copy out) once after it.
 
-    Test must tell a finished exchange without waiting for it: the scripts' ranks poll with Test and
-    sleep between polls when they outnumber the cores. gloo's allreduce, broadcast and all-gather say
-    they are done through is_completed(); its reduce-scatter, send and receive never do (torch 2.13:
-    only wait() ends them, so a rank that polled them waited forever, which hung every job at N = 4
-    on 2 cores). Those (polled=False) are waited for on a thread of their own from the first Test on,
-    which marks them done; a request only waited for starts no thread."""
+    Test tells a finished exchange without waiting for it. gloo's allreduce, broadcast and all-gather
+    say they are done through is_completed(); its reduce-scatter, send and receive never do (torch
+    2.13: only wait() ends them). For those (polled=False) a Test answers "not yet" until the rank
+    polls (POLLING_S), then hands the work to WAITERS, whose thread marks it done:
+      - the scripts Test a send once an action (the pipeline's, the hybrid's) or a reduce-scatter
+        once a layer (ZeRO) to move MPICH on, which moves a message only inside MPI calls; gloo moves
+        them on a thread of its own, and those Tests need no answer before the step's Wait. A waiter
+        for each cost 1F1B and interleaved at N = 4 on 2 cores about a tenth of their step;
+      - where ranks outnumber cores, the scripts' Wait (CountedRequest.Wait) polls with naps, as
+        MPICH's Wait would spin on a core that a rank computing needs: a Test from it waits in
+        gloo's wait(), which sleeps until the work is done. (Their collectives keep the naps:
+        polling gloo's is_completed() took 4.0 ms an allreduce at N = 4 on 2 cores, wait() 6.5.)
+      - a rank that polls otherwise is waiting too (their checks poll a send to rank 0): a waiter
+        ends it. Polling a work that only wait() ends hung every bench job at N = 4 on 2 cores.
+    A waiter is never wrong, only dear: which Tests get one decides the cost, not the result."""
 
     def __new__(cls, work, tensors=(), then=None, polled=True):
         request = super().__new__(cls)
         request.work, request.tensors, request.then, request.polled = work, tensors, then, polled
-        request.waiter, request.failure = None, None
+        request.tests, request.tested, request.done, request.failure = 0, -math.inf, None, None
         return request
 
     def wait_on_thread(self):
@@ -250,20 +296,27 @@ class GlooRequest(MPI.Request):
             self.failure = e
 
     def Test(self, status=None):
-        if self.work is not None and not self.polled and self.waiter is None:
-            self.waiter = threading.Thread(target=self.wait_on_thread, daemon=True)
-            self.waiter.start()
-        if self.work is not None and (self.waiter.is_alive() if self.waiter else not self.work.is_completed()):
+        if self.work is not None and not self.polled and self.done is None:
+            if sys._getframe(1).f_code.co_name == "Wait":  # the scripts' CountedRequest.Wait: it waits
+                self.Wait()
+                return True
+            now, self.tests = time.perf_counter(), self.tests + 1
+            polled, self.tested = now - self.tested < POLLING_S or self.tests >= TESTS_BEFORE_A_WAITER, now
+            if not polled:
+                return False
+            self.done = threading.Event()
+            WAITERS.hand_over(self)
+        if self.work is not None and (not self.done.is_set() if self.done else not self.work.is_completed()):
             return False
         self.Wait()  # once done: the tensors let go, the copy out made (a done request stays done)
         return True
 
     def Wait(self, status=None):
         if self.work is not None:
-            if self.waiter is None:
+            if self.done is None:
                 self.work.wait()
             else:  # wait() once only: a second one on a finished send or receive waits for another
-                self.waiter.join()
+                self.done.wait()
                 if self.failure is not None:
                     raise self.failure
             self.work, self.tensors = None, ()

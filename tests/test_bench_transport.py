@@ -244,7 +244,8 @@ def unfinished_when_polled(comm):
 def test_every_exchange_through_gloo_reports_itself_done_to_test(size, tmp_path):
     """A rank that polls (Test, then sleep) must see its exchange end: gloo's reduce-scatter, send and
     receive never say so themselves, and polling them hung the bench's jobs at N = 4 on 2 cores. The
-    shim waits for those on a thread; without it (below) the same polls never end."""
+    shim waits for those on a thread once polled TESTS_BEFORE_A_WAITER times; without it (below) the
+    same polls never end."""
     with sub_comm(size) as comm:
         unfinished = []
         if comm is not None:
@@ -266,6 +267,108 @@ def test_polling_gloos_own_completion_is_caught(tmp_path, monkeypatch):
         if comm is not None:
             unfinished = unfinished_when_polled(shim(comm, tmp_path))
         assert agree(unfinished == ["ireduce_scatter", "isend_irecv"]), unfinished
+
+
+def exchanged(comm, wait):
+    """A send to the next rank and a receive from the one before, waited for by wait(requests): the
+    threads the shim started meanwhile, and whether the message arrived."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sent, received = torch.arange(64.0) + rank, torch.empty(64)
+    started, start = [], worker.threading.Thread.start
+
+    def counted(thread):
+        started.append(thread)
+        return start(thread)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker.threading.Thread, "start", counted)
+        wait([comm.Irecv(received, source=(rank - 1) % size, tag=6),
+              comm.Isend(sent, dest=(rank + 1) % size, tag=6)])
+    return len(started), torch.equal(received, torch.arange(64.0) + (rank - 1) % size)
+
+
+def poked_and_waited(comm, pokes):
+    """exchanged(), each request Tested `pokes` times 2 ms apart (as the pipeline Tests its sends once
+    an action), then waited for."""
+    def wait(requests):
+        for _ in range(pokes):
+            [r.Test() for r in requests]
+            time.sleep(2 * worker.POLLING_S)
+        for r in requests:
+            r.Wait()
+    return exchanged(comm, wait)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_scripts_wait_that_polls_a_message_on_gloo_waits_in_gloo_without_a_thread(plant, tmp_path, monkeypatch):
+    """Where ranks outnumber cores, the scripts' CountedRequest.Wait polls Test with naps (MPICH's Wait
+    spins): on gloo, a Test from it waits in gloo's wait() and starts no thread. The negative control:
+    the same polls from a loop of another name are handed to a waiting thread."""
+    import pipeline_parallel as script
+    monkeypatch.setattr(script, "SLEEP_WHILE_WAITING", True)
+    monkeypatch.setattr(worker, "WAITERS", worker.Waiters())
+
+    class Timeline:
+        def span(self, cat, name):
+            return contextlib.nullcontext()
+
+    def scripts_wait(requests):
+        for r in requests:
+            script.CountedRequest(r, Timeline(), "idle", "Irecv").Wait()
+
+    def polled(requests):
+        for r in requests:
+            while not r.Test():
+                time.sleep(script.POLL_S)
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            threads, arrived = exchanged(shim(comm, tmp_path), polled if plant else scripts_wait)
+            ok = arrived and (threads > 0 if plant else threads == 0)
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_the_scripts_tests_of_a_message_start_no_thread_on_gloo(plant, tmp_path, monkeypatch):
+    """The scripts Test their sends once an action to move MPICH on: on gloo those Tests answer "not
+    yet" and start nothing (a waiting thread for each cost the pipeline a tenth of its step), and the
+    step's Wait gets the message. The negative control: a waiter from the first Test on, the shim's
+    former way, starts a thread."""
+    monkeypatch.setattr(worker, "WAITERS", worker.Waiters())  # none idle yet: a waiter needed starts
+    if plant:
+        monkeypatch.setattr(worker, "TESTS_BEFORE_A_WAITER", 1)
+    with sub_comm(2) as comm:
+        ok = True
+        if comm is not None:
+            threads, arrived = poked_and_waited(shim(comm, tmp_path), 20)
+            ok = arrived and (threads > 0 if plant else threads == 0)
+        assert agree(ok)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plant", [False, True])
+def test_the_waiting_threads_are_kept_for_the_next_work(plant, tmp_path, monkeypatch):
+    """Polled past TESTS_BEFORE_A_WAITER, a work goes to a waiter; one after the other, 20 messages
+    each way take 2 threads (a send and a receive at a time), not one a work: starting a thread waits
+    for a core. The negative control: waiters never counted idle again start one a work."""
+    monkeypatch.setattr(worker, "TESTS_BEFORE_A_WAITER", 1)
+    monkeypatch.setattr(worker, "WAITERS", worker.Waiters())
+    if plant:
+        def serve_once(self):
+            request = self.works.get()
+            request.wait_on_thread()
+            request.done.set()
+        monkeypatch.setattr(worker.Waiters, "serve", serve_once)
+    with sub_comm(2) as comm:
+        ok, threads = True, 0
+        if comm is not None:
+            gloo = shim(comm, tmp_path)
+            for _ in range(20):
+                started, arrived = poked_and_waited(gloo, 1)
+                threads += started if arrived else 1000
+            ok = threads >= 40 if plant else threads <= 2
+        assert agree(ok), threads
 
 
 def run_data_parallel(comm, *flags):
