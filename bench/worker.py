@@ -278,7 +278,7 @@ class GlooRequest(MPI.Request):
       - where ranks outnumber cores, the scripts' Wait (CountedRequest.Wait) polls with naps, as
         MPICH's Wait would spin on a core that a rank computing needs: a Test from it waits in
         gloo's wait(), which sleeps until the work is done. (Their collectives keep the naps:
-        polling gloo's is_completed() took 4.0 ms an allreduce at N = 4 on 2 cores, wait() 6.5.)
+        polling gloo's is_completed() took 3.9-4.2 ms an allreduce at N = 4 on 2 cores, wait() 6.5-6.9.)
       - a rank that polls otherwise is waiting too (their checks poll a send to rank 0): a waiter
         ends it. Polling a work that only wait() ends hung every bench job at N = 4 on 2 cores.
     A waiter is never wrong, only dear: which Tests get one decides the cost, not the result."""

@@ -244,8 +244,8 @@ def unfinished_when_polled(comm):
 def test_every_exchange_through_gloo_reports_itself_done_to_test(size, tmp_path):
     """A rank that polls (Test, then sleep) must see its exchange end: gloo's reduce-scatter, send and
     receive never say so themselves, and polling them hung the bench's jobs at N = 4 on 2 cores. The
-    shim waits for those on a thread once polled TESTS_BEFORE_A_WAITER times; without it (below) the
-    same polls never end."""
+    shim waits for those on a thread once the rank polls them (a Test again within POLLING_S);
+    without it (below) the same polls never end."""
     with sub_comm(size) as comm:
         unfinished = []
         if comm is not None:
